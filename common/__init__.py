@@ -1,0 +1,1 @@
+"""What both node roles run: config, protocol, requests, KV memory, engine, models, server."""

@@ -1,0 +1,157 @@
+"""Typed configuration: one frozen dataclass per subsystem, composed into ``NodeConfig``.
+
+Each component receives only its own slice (narrow constructors). ``"auto"`` values are
+filled by ``resolve()`` once the device and the model are known; validation errors raise
+``ConfigError`` with a message that names the flag.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from common import envs
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, detected at start-up."""
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto -> cuda if available else cpu
+    context_length: int | None = None  # None -> model's max_position_embeddings
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model_path):
+            raise ConfigError(f"--model-path {self.model_path!r} is not a directory")
+        if not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            raise ConfigError(f"--model-path {self.model_path!r} has no config.json")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"--dtype {self.dtype!r}: expected auto, float32, float16 or bfloat16")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device {self.device!r}: expected auto, cpu or cuda[:N]")
+
+    def hf_config(self) -> dict:
+        with open(os.path.join(self.model_path, "config.json")) as f:
+            return json.load(f)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    mem_fraction_static: float = 0.8
+    max_total_tokens: int | None = None  # None -> sized from free memory (GPU) or a CPU default
+    max_running_requests: int = 64
+    enable_prefix_cache: bool = True
+
+    def validate(self) -> None:
+        if not _is_pow2(self.page_size):
+            raise ConfigError(f"--page-size must be a power of two, got {self.page_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ConfigError(f"--max-total-tokens {self.max_total_tokens} is smaller than two pages")
+        if self.max_running_requests < 1:
+            raise ConfigError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = 2048  # <= 0 disables chunking
+    max_prefill_tokens: int = 8192
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    new_token_ratio_init: float = 0.7
+    new_token_ratio_min: float = 0.1
+    new_token_ratio_decay_steps: int = 600
+
+    def validate(self) -> None:
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ConfigError(f"--schedule-policy {self.schedule_policy!r}: expected fcfs or lpm")
+        if self.max_prefill_tokens < 1:
+            raise ConfigError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str = "auto"  # auto -> flashinfer on CUDA when importable, else torch
+
+    def validate(self) -> None:
+        if self.backend not in ("auto", "torch", "flashinfer"):
+            raise ConfigError(f"--attention-backend {self.backend!r}: expected auto, torch or flashinfer")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: Literal["mooncake", "fake"] = "mooncake"
+    bootstrap_port: int = 8998
+    bootstrap_timeout_s: float = field(default_factory=envs.BOOTSTRAP_TIMEOUT_S.get)
+    waiting_timeout_s: float = field(default_factory=envs.WAITING_TIMEOUT_S.get)
+    heartbeat_interval_s: float = field(default_factory=envs.HEARTBEAT_INTERVAL_S.get)
+    heartbeat_max_failures: int = field(default_factory=envs.HEARTBEAT_MAX_FAILURES.get)
+    num_workers: int = field(default_factory=envs.TRANSFER_WORKERS.get)
+
+    def validate(self) -> None:
+        if self.backend not in ("mooncake", "fake"):
+            raise ConfigError(f"--disaggregation-transfer-backend {self.backend!r}: expected mooncake or fake")
+        if not 0 < self.bootstrap_port < 65536:
+            raise ConfigError(f"--disaggregation-bootstrap-port {self.bootstrap_port} out of range")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} out of range")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: Literal["prefill", "decode"]
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    sched: SchedulerConfig = SchedulerConfig()
+    attention: AttentionConfig = AttentionConfig()
+    transfer: TransferConfig = TransferConfig()
+    server: ServerConfig = ServerConfig()
+
+    def validate(self) -> None:
+        for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server):
+            part.validate()
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return dtype
+
+
+def resolve(cfg: NodeConfig) -> NodeConfig:
+    """Validate and fill every "auto" value that does not need the model loaded."""
+    cfg.validate()
+    device = resolve_device(envs.DEVICE.get() if cfg.model.device == "auto" else cfg.model.device)
+    model = replace(cfg.model, device=device, dtype=resolve_dtype(cfg.model.dtype, device))
+    attn = cfg.attention
+    if attn.backend == "auto":
+        attn = replace(attn, backend="flashinfer" if device.startswith("cuda") else "torch")
+    return replace(cfg, model=model, attention=attn)

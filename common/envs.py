@@ -1,0 +1,45 @@
+"""Every environment variable pdcluster reads, typed, in one place.
+
+Read nowhere else: code asks ``envs.NAME.get()``. Each variable is prefixed ``PDC_``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        kind = type(self.default)
+        try:
+            if kind is bool:
+                return raw.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+            return kind(raw)  # type: ignore[call-arg]
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+LOG_LEVEL = EnvVar("PDC_LOG_LEVEL", "INFO", "log level of every pdcluster process")
+DEVICE = EnvVar("PDC_DEVICE", "auto", "torch device for the model runner: auto, cpu, cuda")
+BOOTSTRAP_TIMEOUT_S = EnvVar("PDC_BOOTSTRAP_TIMEOUT_S", 30.0, "seconds a room may stay Bootstrapping")
+WAITING_TIMEOUT_S = EnvVar("PDC_WAITING_TIMEOUT_S", 60.0, "seconds a decode room may wait for its KV")
+HEARTBEAT_INTERVAL_S = EnvVar("PDC_HEARTBEAT_INTERVAL_S", 1.0, "decode -> prefill health probe interval")
+HEARTBEAT_MAX_FAILURES = EnvVar("PDC_HEARTBEAT_MAX_FAILURES", 3, "missed probes before a prefill is dead")
+TRANSFER_WORKERS = EnvVar("PDC_TRANSFER_WORKERS", 2, "transfer worker threads per prefill rank")
+MOONCAKE_PROTOCOL = EnvVar("PDC_MOONCAKE_PROTOCOL", "auto", "mooncake protocol: auto, rdma, tcp")
+MOONCAKE_DEVICE = EnvVar("PDC_MOONCAKE_DEVICE", "", "RDMA device names for mooncake (empty: auto)")
+
+
+def all_vars() -> list[EnvVar]:
+    return [v for v in globals().values() if isinstance(v, EnvVar)]

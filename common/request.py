@@ -1,0 +1,99 @@
+"""Request-level plain data shared by the API process, schedulers and the engine driver."""
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a client: reported as HTTP 400, touches no pool."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k filter
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+
+        def bad(msg: str) -> InvalidRequest:
+            return InvalidRequest(f"invalid sampling params: {msg}")
+
+        if self.max_new_tokens < 0:
+            raise bad(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            val = getattr(self, name)
+            if not math.isfinite(val) or not -2.0 <= val <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {val}")
+        if self.n < 1:
+            raise bad(f"n must be >= 1, got {self.n}")
+        if self.top_logprobs_num < 0 or self.top_logprobs_num > 20:
+            raise bad(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    raise bad(f"stop_token_ids entry {t} outside vocabulary [0, {vocab_size})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(msgspec.Struct, tag=True):
+    """Why generation ended; ``to_json`` gives SGLang's meta_info.finish_reason shape."""
+
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # stop token id or stop string
+    length: int | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        elif self.message is not None:
+            out["message"] = self.message
+        return out
+
+    @property
+    def openai(self) -> str:
+        return {"stop": "stop", "length": "length"}.get(self.type, "abort")
+
+
+class ReqState(enum.Enum):
+    QUEUED = "queued"
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING = "waiting"
+    RUNNING = "running"
+    TRANSFERRING = "transferring"
+    FINISHED = "finished"
