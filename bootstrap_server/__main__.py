@@ -1,0 +1,59 @@
+"""Standalone bootstrap registry: ``python -m bootstrap_server --host H --port P``.
+
+``main(argv)`` is also what ``pdcluster bootstrap`` calls. It serves until SIGINT or SIGTERM,
+then closes the listener and returns 0; it returns 1 when the port cannot be bound. Bad flags
+exit with status 2 (argparse's ``SystemExit``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from bootstrap_server.server import AsyncBootstrapServer
+from common import envs
+
+logger = logging.getLogger("bootstrap_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster bootstrap", description="Prefill rank registry (PUT/GET /route, /health).")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 to serve other machines (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8998, help="port to listen on, 0 for any free port (default: %(default)s)")
+    parser.add_argument("--log-level", default=None, help="log level (default: PDC_LOG_LEVEL or INFO)")
+    return parser
+
+
+async def _serve(host: str, port: int) -> None:
+    server = AsyncBootstrapServer(host, port)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0 <= args.port < 65536:
+        build_parser().error(f"--port {args.port} out of range")
+    level = (args.log_level or envs.LOG_LEVEL.get()).upper()
+    if not isinstance(logging.getLevelName(level), int):
+        build_parser().error(f"--log-level {level!r}: expected DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_serve(args.host, args.port))
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Wire types of the bootstrap registry and the decode-side compatibility check.
+
+A prefill *rank* is addressed by ``(dp_group, engine_rank, pp_rank)`` where ``engine_rank`` is its
+tensor-parallel rank inside its data-parallel group. Every rank of one prefill node registers a
+``RankInfo``; all of them must agree on the *node layout* (``LAYOUT_FIELDS``). The decode side asks
+for that layout once (``PrefillLayout``) and runs ``check_receivable`` on it, so a prefill it cannot
+receive from fails at lookup time with a message naming the fields, instead of hanging per request.
+
+``num_kv_heads`` and ``head_dim`` are what one rank holds (after TP sharding), i.e. the shape of its
+KV pool rows ``[num_pages * page_size, num_kv_heads, head_dim]``. ``num_layers`` is the number of
+layers in the model; pipeline stages split them the same way on both sides, which is why
+``check_receivable`` requires equal ``pp_size``.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+
+from bootstrap_server.errors import LayoutMismatch
+
+# Upper bounds only catch garbage (a pointer sent as a page size); no real model is near them.
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Size = Annotated[int, msgspec.Meta(ge=1, le=65536)]
+Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+KVDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+
+# Fields every rank of one prefill node must agree on, and that a decode must match.
+LAYOUT_FIELDS: tuple[str, ...] = (
+    "tp_size",
+    "dp_size",
+    "pp_size",
+    "page_size",
+    "kv_dtype",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "transfer_backend",
+)
+
+# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+RankKey = tuple[int, int, int]  # (dp_group, engine_rank, pp_rank)
+
+
+def _check_rank_ip(rank_ip: str) -> None:
+    try:
+        addr = ipaddress.ip_address(rank_ip)
+    except ValueError:
+        if not _HOSTNAME.match(rank_ip):
+            raise ValueError(f"rank_ip {rank_ip!r} is neither an IP address nor a host name") from None
+        return
+    # A wildcard address works by accident on one host and nowhere else: refuse it at the source.
+    if addr.is_unspecified:
+        raise ValueError(f"rank_ip {rank_ip!r} is a wildcard; register an address the decode can connect to")
+
+
+class RankInfo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Body of ``PUT /route`` and answer of ``GET /route``: where one prefill rank listens.
+
+    ``rank_ip:rank_port`` is the rank's ZMQ PULL socket (control plane). ``session_id`` is its
+    transfer-engine session (Mooncake ``host:rpc_port``) when the backend has one. ``instance_id``
+    changes on every process start, so a decode can tell a restarted rank from the one it cached,
+    and a late ``DELETE`` from a dead incarnation cannot remove its successor.
+    """
+
+    role: Literal["prefill"] = "prefill"
+    rank_ip: Name
+    rank_port: Port
+    engine_rank: Rank  # tensor-parallel rank inside the dp group
+    tp_size: Size
+    dp_size: Size
+    dp_group: Rank
+    pp_size: Size
+    pp_rank: Rank
+    page_size: Dim
+    kv_dtype: KVDtype
+    num_layers: Dim
+    num_kv_heads: Dim  # per rank, after TP sharding
+    head_dim: Dim
+    transfer_backend: Name | None = None  # "mooncake", "fake", ...; None: not checked
+    session_id: Name | None = None
+    instance_id: Name | None = None
+
+    def __post_init__(self) -> None:
+        # Cross-field rules; msgspec turns these into ValidationError when decoding a body.
+        if self.engine_rank >= self.tp_size:
+            raise ValueError(f"engine_rank {self.engine_rank} must be < tp_size {self.tp_size}")
+        if self.dp_group >= self.dp_size:
+            raise ValueError(f"dp_group {self.dp_group} must be < dp_size {self.dp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} must be < pp_size {self.pp_size}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size {self.page_size} must be a power of two")
+        _check_rank_ip(self.rank_ip)
+
+    @property
+    def key(self) -> RankKey:
+        return (self.dp_group, self.engine_rank, self.pp_rank)
+
+    @property
+    def endpoint(self) -> str:
+        """ZMQ endpoint of the rank's PULL socket (IPv6 literals bracketed)."""
+        host = f"[{self.rank_ip}]" if ":" in self.rank_ip else self.rank_ip
+        return f"tcp://{host}:{self.rank_port}"
+
+
+class PrefillLayout(msgspec.Struct, kw_only=True, frozen=True):
+    """Answer of ``GET /route?engine_rank=-1&target_dp_group=-1``: the prefill node's layout.
+
+    Unknown fields are ignored when decoding so an older client can read a newer server.
+    """
+
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    page_size: int
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    transfer_backend: str | None = None
+    registered_ranks: int = 0
+
+    @property
+    def expected_ranks(self) -> int:
+        return self.tp_size * self.dp_size * self.pp_size
+
+    @property
+    def complete(self) -> bool:
+        """Whether every rank of the node has registered."""
+        return self.registered_ranks >= self.expected_ranks
+
+    @classmethod
+    def of(cls, info: RankInfo, registered_ranks: int) -> PrefillLayout:
+        return cls(**{f: getattr(info, f) for f in LAYOUT_FIELDS}, registered_ranks=registered_ranks)
+
+
+class _KVLayoutLike(Protocol):
+    """Structural view of ``common.kvcache.pool.KVLayout`` (not imported: it pulls in torch)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+
+
+class DecodeLayout(msgspec.Struct, kw_only=True, frozen=True):
+    """What a decode rank can receive: its parallel layout and its KV pool layout."""
+
+    tp_size: int
+    pp_size: int
+    page_size: int
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int  # per rank, after TP sharding
+    head_dim: int
+    transfer_backend: str | None = None
+
+    @classmethod
+    def from_kv_layout(
+        cls, layout: _KVLayoutLike, *, tp_size: int, pp_size: int = 1, transfer_backend: str | None = None
+    ) -> DecodeLayout:
+        return cls(
+            tp_size=tp_size,
+            pp_size=pp_size,
+            page_size=layout.page_size,
+            kv_dtype=layout.dtype,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            transfer_backend=transfer_backend,
+        )
+
+
+def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
+    """Raise ``LayoutMismatch`` naming every field that stops ``decode`` receiving ``prefill``'s KV.
+
+    Supported mapping: equal TP sizes (decode rank r receives from prefill rank r of the chosen
+    dp group; any prefill ``dp_size`` works since one dp group serves a request) and equal PP
+    sizes. Pages are copied byte for byte, so page size, dtype, layer count and the per-rank
+    ``num_kv_heads x head_dim`` row shape must all be equal. Backends must be equal when both
+    sides name one.
+    """
+    problems: list[str] = []
+
+    def differ(name: str, p: object, d: object, why: str = "") -> None:
+        problems.append(f"{name}: prefill {p}, decode {d}" + (f" ({why})" if why else ""))
+
+    if prefill.tp_size != decode.tp_size:
+        differ("tp_size", prefill.tp_size, decode.tp_size, "only equal TP sizes are supported")
+    if prefill.pp_size != decode.pp_size:
+        differ("pp_size", prefill.pp_size, decode.pp_size, "only equal PP sizes are supported")
+    if prefill.page_size != decode.page_size:
+        differ("page_size", prefill.page_size, decode.page_size)
+    if prefill.kv_dtype != decode.kv_dtype:
+        differ("kv_dtype", prefill.kv_dtype, decode.kv_dtype)
+    if prefill.num_layers != decode.num_layers:
+        differ("num_layers", prefill.num_layers, decode.num_layers)
+    if (prefill.num_kv_heads, prefill.head_dim) != (decode.num_kv_heads, decode.head_dim):
+        differ(
+            "num_kv_heads x head_dim per rank",
+            f"{prefill.num_kv_heads}x{prefill.head_dim}",
+            f"{decode.num_kv_heads}x{decode.head_dim}",
+        )
+    if None not in (prefill.transfer_backend, decode.transfer_backend) and prefill.transfer_backend != decode.transfer_backend:
+        differ("transfer_backend", prefill.transfer_backend, decode.transfer_backend)
+    if problems:
+        raise LayoutMismatch("decode cannot receive this prefill's KV cache: " + "; ".join(problems))

@@ -1,0 +1,364 @@
+"""aiohttp shell over the ``Registry``: the HTTP API, an in-loop server and a threaded one.
+
+Routes (JSON bodies; every error is ``{"error": "<reason>"}``)::
+
+    PUT    /route                                  body RankInfo          200 | 400
+    GET    /route?engine_rank=R&target_dp_group=G[&target_pp_rank=P]       200 RankInfo | 400 | 404
+    GET    /route?engine_rank=-1&target_dp_group=-1                        200 PrefillLayout | 404
+    DELETE /route?engine_rank=R&target_dp_group=G[&target_pp_rank=P][&instance_id=I]
+                                                                           200 | 400 | 404 | 409
+    DELETE /route?engine_rank=-1&target_dp_group=-1                        200 (removes every rank)
+    GET    /routes                                 every registered RankInfo (for operators)
+    GET    /health                                 200 "OK" | 503 (the embedder's health check said no)
+
+404 on ``GET /route`` is "not registered yet": the decode retries it for a bounded time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from bootstrap_server.client import bootstrap_url
+from bootstrap_server.registry import Registry, RegistryConflict, format_key
+from bootstrap_server.schema import RankInfo
+
+logger = logging.getLogger(__name__)
+
+HealthCheck = Callable[[], bool]
+REGISTRY_KEY = web.AppKey("registry", Registry)
+HEALTH_KEY: web.AppKey[HealthCheck] = web.AppKey("health_check")
+MAX_BODY_BYTES = 64 * 1024  # a RankInfo is a few hundred bytes
+_MAX_INDEX = 65535
+_json = msgspec.json.Encoder()
+
+
+class _BadQuery(ValueError):
+    pass
+
+
+def _reply(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_json.encode(obj), content_type="application/json")
+
+
+def _error(status: int, reason: str) -> web.Response:
+    return _reply({"error": reason}, status=status)
+
+
+def _query(request: web.Request, optional: tuple[str, ...]) -> tuple[int, int, int | None, dict[str, str]]:
+    """Parse ``engine_rank``, ``target_dp_group``, optional ``target_pp_rank`` and the ``optional`` strings."""
+    allowed = {"engine_rank", "target_dp_group", "target_pp_rank", *optional}
+    for name in request.query:
+        if name not in allowed:
+            raise _BadQuery(f"unknown query parameter {name!r}; expected {', '.join(sorted(allowed))}")
+
+    def one(name: str, required: bool) -> str | None:
+        values = request.query.getall(name, [])
+        if len(values) > 1:
+            raise _BadQuery(f"query parameter {name!r} given {len(values)} times")
+        if not values and required:
+            raise _BadQuery(f"missing query parameter {name!r}")
+        return values[0] if values else None
+
+    def integer(name: str, required: bool) -> int | None:
+        raw = one(name, required)
+        if raw is None:
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise _BadQuery(f"{name}={raw!r} is not an integer") from None
+        if not -1 <= value <= _MAX_INDEX:
+            raise _BadQuery(f"{name}={value} out of range [-1, {_MAX_INDEX}]")
+        return value
+
+    engine_rank = integer("engine_rank", True)
+    dp_group = integer("target_dp_group", True)
+    pp_rank = integer("target_pp_rank", False)
+    assert engine_rank is not None and dp_group is not None  # required above
+    extras = {name: v for name in optional if (v := one(name, False)) is not None}
+    whole_node = engine_rank == -1 and dp_group == -1 and pp_rank in (None, -1)
+    if not whole_node and min(engine_rank, dp_group, 0 if pp_rank is None else pp_rank) < 0:
+        raise _BadQuery(
+            "-1 is only valid as engine_rank=-1&target_dp_group=-1 (whole node); got "
+            f"engine_rank={engine_rank}, target_dp_group={dp_group}, target_pp_rank={pp_rank}"
+        )
+    return engine_rank, dp_group, pp_rank, extras
+
+
+_Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _bad_query(handler: _Handler) -> _Handler:
+    async def wrapped(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except _BadQuery as exc:
+            return _error(400, f"bad query: {exc}")
+
+    return wrapped
+
+
+async def _put_route(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY_KEY]
+    body = await request.read()
+    try:
+        info = msgspec.json.decode(body, type=RankInfo)
+    except msgspec.ValidationError as exc:
+        logger.warning("rejected registration from %s: %s", request.remote, exc)
+        return _error(400, f"invalid registration: {exc}")
+    except msgspec.DecodeError as exc:
+        return _error(400, f"invalid registration: body is not JSON: {exc}")
+    try:
+        old = registry.register(info)
+    except RegistryConflict as exc:
+        logger.warning("rejected registration from %s: %s", request.remote, exc)
+        return _error(400, str(exc))
+    return _reply({"status": "registered" if old is None else "replaced"})
+
+
+@_bad_query
+async def _get_route(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY_KEY]
+    engine_rank, dp_group, pp_rank, _ = _query(request, ())
+    layout = registry.layout()
+    if engine_rank == -1:
+        if layout is None:
+            return _error(404, "no prefill rank is registered yet")
+        return _reply(layout)
+    pp_rank = pp_rank or 0
+    if layout is not None:
+        # A rank outside the node's layout will never register: say so now instead of a 404
+        # the decode would retry until its timeout.
+        for name, value, size_name, size in (
+            ("engine_rank", engine_rank, "tp_size", layout.tp_size),
+            ("target_dp_group", dp_group, "dp_size", layout.dp_size),
+            ("target_pp_rank", pp_rank, "pp_size", layout.pp_size),
+        ):
+            if value >= size:
+                raise _BadQuery(f"{name}={value} out of range: this prefill has {size_name} {size}")
+    info = registry.lookup(dp_group, engine_rank, pp_rank)
+    if info is None:
+        have = 0 if layout is None else layout.registered_ranks
+        return _error(404, f"prefill rank {format_key((dp_group, engine_rank, pp_rank))} is not registered ({have} rank(s) are)")
+    return _reply(info)
+
+
+@_bad_query
+async def _delete_route(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY_KEY]
+    engine_rank, dp_group, pp_rank, extras = _query(request, ("instance_id",))
+    if engine_rank == -1:
+        if extras:
+            raise _BadQuery("instance_id applies to one rank, not to engine_rank=-1&target_dp_group=-1")
+        return _reply({"removed": registry.clear()})
+    key = (dp_group, engine_rank, pp_rank or 0)
+    try:
+        removed = registry.deregister(*key, instance_id=extras.get("instance_id"))
+    except RegistryConflict as exc:
+        return _error(409, str(exc))
+    if removed is None:
+        return _error(404, f"prefill rank {format_key(key)} is not registered")
+    return _reply({"removed": 1})
+
+
+async def _get_routes(request: web.Request) -> web.Response:
+    return _reply(request.app[REGISTRY_KEY].ranks())
+
+
+def _always_healthy() -> bool:
+    return True
+
+
+async def _health(request: web.Request) -> web.Response:
+    try:
+        healthy = request.app[HEALTH_KEY]()
+    except Exception as exc:  # a broken probe is an unhealthy node, not a 500
+        return web.Response(status=503, text=f"health check failed: {exc!r}")
+    return web.Response(text="OK") if healthy else web.Response(status=503, text="unhealthy")
+
+
+def make_app(registry: Registry | None = None, health_check: HealthCheck | None = None) -> web.Application:
+    """The aiohttp application; pass a ``registry`` to share it with in-process code.
+
+    ``health_check`` lets an embedding process make ``/health`` (the decode's heartbeat target)
+    fail when its scheduler is stuck although this server's thread still answers.
+    """
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[REGISTRY_KEY] = registry if registry is not None else Registry()
+    app[HEALTH_KEY] = health_check if health_check is not None else _always_healthy
+    app.router.add_put("/route", _put_route)
+    app.router.add_get("/route", _get_route)
+    app.router.add_delete("/route", _delete_route)
+    app.router.add_get("/routes", _get_routes)
+    app.router.add_get("/health", _health)
+    return app
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """Bind ourselves (rather than letting aiohttp) so port 0 works and the bound port is known."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"bootstrap server cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+class AsyncBootstrapServer:
+    """The registry served inside the caller's running event loop."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8998,
+        registry: Registry | None = None,
+        health_check: HealthCheck | None = None,
+    ) -> None:
+        self.host = host
+        self._requested_port = port
+        self.registry = registry if registry is not None else Registry()
+        self._health_check = health_check
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (differs from the requested one when that was 0)."""
+        if self._port is None:
+            raise RuntimeError("bootstrap server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return bootstrap_url(self.host, self.port)
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            raise RuntimeError("bootstrap server already started")
+        sock = _listen_socket(self.host, self._requested_port)
+        # access_log=None: decode heartbeats hit /health every second per prefill.
+        runner = web.AppRunner(make_app(self.registry, self._health_check), access_log=None, shutdown_timeout=1.0)
+        try:
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            await runner.cleanup()
+            sock.close()
+            raise
+        self._runner = runner
+        self._port = sock.getsockname()[1]
+        logger.info("bootstrap server listening on %s", self.url)
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+            logger.info("bootstrap server on port %s stopped", self._port)
+
+    async def __aenter__(self) -> AsyncBootstrapServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class BootstrapServer:
+    """The registry served from its own event loop in a daemon thread (embedded in a prefill process).
+
+    ``start()`` returns once the port is listening and raises the bind error if it cannot be;
+    ``stop()`` closes the listener and its connections and joins the thread. Both are idempotent.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8998,
+        registry: Registry | None = None,
+        health_check: HealthCheck | None = None,
+    ) -> None:
+        # health_check runs on the server's thread: keep it a cheap, thread-safe read.
+        self._server = AsyncBootstrapServer(host, port, registry, health_check)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def registry(self) -> Registry:
+        return self._server.registry
+
+    @property
+    def host(self) -> str:
+        return self._server.host
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if self._thread is not None:
+            return
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._server.start())
+            except BaseException as exc:  # handed to start()'s caller
+                failure.append(exc)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(self._server.stop())
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        thread = threading.Thread(target=run, name="bootstrap-server", daemon=True)
+        thread.start()
+        if not started.wait(timeout_s):
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout_s)
+            raise TimeoutError(f"bootstrap server did not start within {timeout_s}s")
+        if failure:
+            thread.join(timeout_s)
+            raise failure[0]
+        self._loop, self._thread = loop, thread
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        if loop is None or thread is None:
+            return
+        try:
+            loop.call_soon_threadsafe(loop.stop)
+        except RuntimeError:  # the loop already closed (its thread died): nothing left to stop
+            pass
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("bootstrap server thread did not stop within %ss", timeout_s)
+
+    def __enter__(self) -> BootstrapServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
