@@ -1,0 +1,59 @@
+"""The engine step both node schedulers call: forward one batch, sample, return plain data.
+
+Schedulers decide *what* runs (which chunks, which decodes) and own KV bookkeeping; the driver
+only computes. Intermediate prompt chunks pass ``None`` as their sample spec: their logits
+are not sampled (chunked prefill samples once, after the last chunk).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
+from common.engine.sampler import SampledToken, Sampler
+from common.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    params: SamplingParams
+    output_ids: Sequence[int]  # generated so far (the step number for seeded sampling)
+    prompt_ids: Sequence[int] | None = None  # needed only for repetition_penalty
+
+
+class EngineDriver:
+    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+        self.runner = runner
+        self.sampler = sampler
+
+    def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]:
+        if len(chunks) != len(specs):
+            raise ValueError(f"{len(chunks)} chunks but {len(specs)} sample specs")
+        logits = self.runner.extend(chunks)  # [B, vocab]
+        return self._sample(logits, specs)
+
+    def run_decode(self, items: Sequence[DecodeItem], specs: Sequence[SampleSpec]) -> list[SampledToken]:
+        if len(items) != len(specs):
+            raise ValueError(f"{len(items)} decode items but {len(specs)} sample specs")
+        logits = self.runner.decode(items)  # [B, vocab]
+        return [t for t in self._sample(logits, specs) if t is not None]
+
+    def _sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]:
+        keep = [i for i, s in enumerate(specs) if s is not None]
+        out: list[SampledToken | None] = [None] * len(specs)
+        if not keep:
+            return out
+        chosen = [specs[i] for i in keep]  # type: ignore[misc]
+        rows = logits if len(keep) == len(specs) else logits[torch.tensor(keep, device=logits.device)]  # [K, vocab]
+        need_prompt = any(s.params.repetition_penalty != 1.0 for s in chosen)  # type: ignore[union-attr]
+        result = self.sampler.sample(
+            rows,
+            [s.params for s in chosen],  # type: ignore[union-attr]
+            [s.output_ids for s in chosen],  # type: ignore[union-attr]
+            [s.prompt_ids or [] for s in chosen] if need_prompt else None,  # type: ignore[union-attr]
+        ).tolist()
+        for i, tok in zip(keep, result):
+            out[i] = tok
+        return out

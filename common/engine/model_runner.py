@@ -1,0 +1,150 @@
+"""Model + KV memory + attention backend on one device; one forward per call.
+
+The runner owns the tensors (weights, K/V pool, req->token table). Bookkeeping of who holds
+which page lives in ``KVMemory`` (built here, used by the schedulers); the runner never decides
+what runs, it only turns a list of extend chunks or decode items into logits.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.attention.base import AttentionBackend
+from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.kvcache.allocator import PageAllocator
+from common.kvcache.pool import RESERVED_PAGES, KVPool
+from common.kvcache.radix_cache import RadixCache
+from common.kvcache.req_kv import KVMemory
+from common.kvcache.req_to_token import ReqToTokenPool
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 65536  # no "free memory" to size from on a CPU; tiny models need little
+
+
+@dataclass(frozen=True)
+class ExtendChunk:
+    """Append ``input_ids`` after ``prefix_len`` tokens already in the pool (slots pre-reserved)."""
+
+    row: int
+    input_ids: Sequence[int]
+    prefix_len: int
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """Append one token at position ``prefix_len`` (its K/V is written this step)."""
+
+    row: int
+    input_id: int
+    prefix_len: int
+
+
+def create_attention_backend(name: str, device: str) -> AttentionBackend:
+    if name == "torch":
+        from common.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "flashinfer":
+        if not device.startswith("cuda"):
+            raise ConfigError("--attention-backend flashinfer needs a CUDA device")
+        from common.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(device)
+    raise ConfigError(f"unknown attention backend {name!r}")
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, attention_cfg: AttentionConfig) -> None:
+        """``model_cfg`` and ``attention_cfg`` must be resolved (no "auto" left; see config.resolve)."""
+        from common.models import load_model
+
+        self.device = torch.device(model_cfg.device)
+        self.dtype = getattr(torch, model_cfg.dtype)
+        self.attn_backend = create_attention_backend(attention_cfg.backend, model_cfg.device)
+        self.model = load_model(model_cfg.model_path, self.dtype, self.device, self.attn_backend)
+        self.arch = self.model.arch
+        page_size = cache_cfg.page_size
+        ctx = model_cfg.context_length or self.arch.max_position_embeddings
+        self.context_length = ctx
+        # Rows are whole pages long so a request's last page never spills past its row.
+        row_len = -(-ctx // page_size) * page_size
+        layout = self.arch.kv_layout(page_size, model_cfg.dtype)
+        num_pages = self._num_pages(cache_cfg, layout.bytes_per_page_per_layer * 2 * layout.num_layers)
+        self.kv_pool = KVPool(layout, num_pages, self.device)
+        self.req_to_token = ReqToTokenPool(cache_cfg.max_running_requests, row_len, self.device)
+        allocator = PageAllocator(num_pages)
+        cache = RadixCache(allocator, page_size, enabled=cache_cfg.enable_prefix_cache)
+        self.memory = KVMemory(allocator, self.req_to_token, cache, page_size)
+        log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d", num_pages, page_size,
+                 self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len)
+
+    def _num_pages(self, cfg: CacheConfig, bytes_per_page: int) -> int:
+        if cfg.max_total_tokens is not None:
+            return cfg.max_total_tokens // cfg.page_size + RESERVED_PAGES
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.mem_fraction_static)
+            pages = budget // bytes_per_page
+            if pages <= RESERVED_PAGES + 1:
+                raise ConfigError(f"--mem-fraction-static {cfg.mem_fraction_static} leaves no room for the KV cache")
+            return pages
+        return CPU_DEFAULT_KV_TOKENS // cfg.page_size + RESERVED_PAGES
+
+    # -- forward ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def extend(self, chunks: Sequence[ExtendChunk]) -> torch.Tensor:
+        """Run prompt chunks; returns logits of each chunk's last token. [B, vocab] float32."""
+        ids: list[int] = []
+        pos: list[int] = []
+        prefix = [c.prefix_len for c in chunks]
+        lens = [len(c.input_ids) for c in chunks]
+        for c in chunks:
+            if not c.input_ids:
+                raise ValueError(f"empty extend chunk for row {c.row}")
+            ids.extend(c.input_ids)
+            pos.extend(range(c.prefix_len, c.prefix_len + len(c.input_ids)))
+        batch = self._batch(ForwardMode.EXTEND, ids, pos, [c.row for c in chunks], prefix, lens)
+        return self._run(batch)
+
+    @torch.inference_mode()
+    def decode(self, items: Sequence[DecodeItem]) -> torch.Tensor:
+        """One token per request; returns next-token logits. [B, vocab] float32."""
+        prefix = [d.prefix_len for d in items]
+        batch = self._batch(ForwardMode.DECODE, [d.input_id for d in items], prefix, [d.row for d in items], prefix, [1] * len(items))
+        return self._run(batch)
+
+    def _batch(self, mode: ForwardMode, ids: list[int], pos: list[int], rows: list[int], prefix: list[int], lens: list[int]) -> ForwardBatch:
+        dev = self.device
+        table = self.req_to_token.table
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [B]
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)  # [T]
+        # Each new token's slot is already in the request's row (reserved by the scheduler).
+        tok_rows = torch.repeat_interleave(rows_t, torch.tensor(lens, device=dev))  # [T]
+        out_loc = table[tok_rows, pos_t].long()  # [T]
+        seq = [p + n for p, n in zip(prefix, lens)]
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=pos_t,
+            out_cache_loc=out_loc,
+            req_pool_indices=rows_t,
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=dev),
+            prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=dev),
+            extend_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
+            req_to_token=table,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=seq,
+            prefix_lens_cpu=prefix,
+            extend_lens_cpu=lens,
+        )
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model.forward(batch)  # [B, hidden]
+        return self.model.compute_logits(hidden)  # [B, vocab] float32

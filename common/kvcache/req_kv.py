@@ -1,0 +1,137 @@
+"""One narrow API over the three KV pools (request rows, pages, prefix cache) for schedulers.
+
+A request's KV bookkeeping is a ``ReqKV``: its row in the req->token table and the pages that
+back positions ``[0, len(pages) * page_size)`` in order. The first ``num_cached`` tokens came
+from the prefix cache (read-only, pinned by a lock on ``node``); the rest are the request's own::
+
+    positions  0 ........ num_cached ............... kv_len ...... capacity
+    pages      [cached, locked][ own pages, written by forward ][ reserved ]
+
+Every path ends in exactly one ``release`` (finish, abort, failure); a second one is a bug and
+raises. Capacity that a scheduler may plan with is ``available_pages()``: free pages plus
+pages the cache could evict.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from common.kvcache.allocator import KVAccountingError, PageAllocator, pages_to_slots
+from common.kvcache.radix_cache import RadixCache, RadixNode
+from common.kvcache.req_to_token import ReqToTokenPool
+
+
+@dataclass
+class ReqKV:
+    row: int
+    node: RadixNode
+    num_cached: int  # prompt tokens served from the prefix cache
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V is in the pool
+    released: bool = False
+
+
+class KVMemory:
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, cache: RadixCache, page_size: int) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.cache = cache
+        self.page_size = page_size
+
+    # -- capacity ---------------------------------------------------------------------------
+
+    def available_pages(self) -> int:
+        return self.allocator.num_free + self.cache.evictable_pages()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def admit(self, token_ids: Sequence[int], use_cache: bool = True) -> ReqKV | None:
+        """Take a request row and the longest cached prefix of ``token_ids`` (leaving at least
+        one token to compute). None when no row is free."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return None
+        if use_cache:
+            match = self.cache.match_prefix(token_ids, max_tokens=len(token_ids) - 1)
+        else:
+            match = self.cache.match_prefix([], max_tokens=0)
+        self.cache.inc_lock(match.node)
+        req = ReqKV(row=row, node=match.node, num_cached=match.num_tokens, pages=list(match.pages), kv_len=match.num_tokens)
+        if match.pages:
+            self._write_row(req, 0, match.pages)
+        return req
+
+    def reserve(self, req: ReqKV, num_tokens: int) -> bool:
+        """Make positions ``[0, num_tokens)`` backed by pages; evict cache if needed.
+        All-or-nothing: False (and nothing changed) when memory does not fit."""
+        self._check_live(req)
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if num_tokens > self.req_to_token.max_context_len:
+            return False
+        if self.allocator.num_free < need:
+            self.cache.evict(need - self.allocator.num_free)
+        new = self.allocator.alloc(need)
+        if new is None:
+            return False
+        start_page = len(req.pages)
+        req.pages.extend(new)
+        self._write_row(req, start_page, new)
+        return True
+
+    def slots(self, req: ReqKV, start: int, end: int) -> torch.Tensor:
+        """KV slots of positions [start, end). [end-start] int64."""
+        return self.req_to_token.read(req.row, end, start).long()
+
+    def release(self, req: ReqKV, token_ids: Sequence[int] | None) -> None:
+        """Give everything back exactly once. With ``token_ids`` (the tokens whose KV is in the
+        pool, ``len == kv_len``) the full pages go to the prefix cache; without, they are freed."""
+        self._check_live(req)
+        if token_ids is not None and len(token_ids) < req.kv_len:
+            raise ValueError(f"release with {len(token_ids)} tokens for kv_len {req.kv_len}")
+        req.released = True
+        used = self.pages_for(req.kv_len)
+        self.allocator.free(req.pages[used:])  # reserved, never written
+        if token_ids is not None:
+            # Full pages join the cache (cached prefix pages are recognised as the same pages);
+            # the partially filled tail page is freed; the prefix lock is dropped.
+            self.cache.cache_finished(list(token_ids[: req.kv_len]), req.pages[:used], req.node)
+        else:
+            self.allocator.free(req.pages[req.num_cached // self.page_size : used])
+            self.cache.dec_lock(req.node)
+        self.req_to_token.free(req.row)
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        self.req_to_token.check_integrity()
+        self.cache.check_integrity()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "page_size": self.page_size,
+            "total_pages": self.allocator.num_total,
+            "free_pages": self.allocator.num_free,
+            "cached_pages": self.cache.total_pages(),
+            "evictable_pages": self.cache.evictable_pages(),
+            "locked_pages": self.cache.protected_pages(),
+            "used_pages": self.allocator.num_total - self.allocator.num_free - self.cache.total_pages(),
+            "total_req_slots": self.req_to_token.max_reqs,
+            "free_req_slots": self.req_to_token.num_free,
+        }
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _write_row(self, req: ReqKV, start_page: int, pages: Sequence[int]) -> None:
+        slots = pages_to_slots(pages, self.page_size, len(pages) * self.page_size)
+        self.req_to_token.write(req.row, start_page * self.page_size, slots)
+
+    @staticmethod
+    def _check_live(req: ReqKV) -> None:
+        if req.released:
+            raise KVAccountingError(f"request row {req.row} released twice")
