@@ -1,0 +1,338 @@
+"""Write a tiny random-weight Hugging Face checkpoint for tests and first runs (no hub access).
+
+Output directory::
+
+    config.json              Qwen3ForCausalLM | LlamaForCausalLM | Qwen2ForCausalLM, hub-style keys
+    generation_config.json   eos_token_id is a LIST (<|im_end|>, <|endoftext|>) to exercise multi-EOS
+    model.safetensors        float32 random weights, deterministic for a seed
+    tokenizer.json           byte-level BPE trained here on built-in text (round-trips any UTF-8)
+    tokenizer_config.json    special tokens + a ChatML chat template
+
+The variants differ on purpose so that code deriving a value from the wrong field breaks:
+
+    arch    layers  heads/kv  head_dim          vocab  embeddings  extras
+    qwen3   2       4/2       32 (!= 64/4)      ~1000  tied        q/k RMSNorm per head
+    llama   3       4/2       absent (64/4=16)  ~512   untied      llama3 rope scaling
+    qwen2   2       4/2       absent (64/4=16)  ~768   tied        q/k/v bias
+
+Weight scales are chosen so greedy decoding has clear winners (logit std ~8, so the top-2 gap
+is rarely a near-tie) and attention matters (score std of a few units, attention output about
+as large as the residual), see ``_init_std``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import sys
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+# ChatML, as Qwen ships it (minus tools): each message framed by im_start/im_end, and an open
+# assistant turn when add_generation_prompt is set.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "attention_dropout": 0.0,
+    "use_cache": True,
+    "torch_dtype": "float32",
+}
+
+_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "vocab_size": 1000,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
+    },
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 3,
+        "vocab_size": 512,
+        "rope_theta": 500000.0,
+        # With head_dim 16 and theta 5e5 the wavelengths (6, 33, 170, 888, ...) straddle the
+        # 64..256 band, so the unchanged, smoothed and divided-by-factor branches all occur.
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "vocab_size": 768,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
+    },
+}
+
+ARCHS = tuple(_ARCH_CONFIGS)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+_TEXT = """\
+The prefill node reads the whole prompt at once and writes the key and value cache for every
+layer. The decode node then generates one token after another, reading the cache it received.
+A router in front of the cluster picks the least loaded pair of nodes for each request.
+Pages of the cache move over the network while the next chunk of the prompt is computed.
+When a transfer fails, both sides free their pages and the client gets a clear error.
+def forward(self, batch):
+    hidden = self.embed(batch.input_ids)  # [tokens, hidden]
+    for layer in self.layers:
+        hidden = layer(hidden, batch)
+    return self.norm(hidden)
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 4096 3.14159 2.71828 -1 +1 = %
+Punctuation: ( ) [ ] { } < > , . ; : ! ? ' " ` ~ @ # $ ^ & * _ - + = / \\ |
+Unicode: café naïve über façade — “quotes” ‘single’ … ½ ° € £ ¥
+中文：预填充节点和解码节点通过网络传输键值缓存。你好，世界！
+日本語：こんにちは、世界。カタカナとひらがな。
+한국어: 안녕하세요 세계
+Emoji: 😀 🚀 🎉 👍 ❤️ 🔥 ✨ 🤖 🌍 🍕
+"""
+
+_WORDS = (
+    "the a an of to in on for with by from at as is are was were be been has have had do does "
+    "model token cache page layer node request batch prefill decode router server client stream "
+    "memory transfer network queue scheduler kernel tensor weight vector matrix attention head "
+    "fast slow small large first last next previous every some many few each other same new old "
+    "read write send receive free allocate reserve compute store load save open close start stop "
+    "time day year world people way thing man woman child life hand part place case week point "
+    "good great long little own right big high different important public bad able young early "
+    "say get make go know take see come think look want give use find tell ask work seem feel try"
+).split()
+
+
+def _corpus() -> list[str]:
+    """Deterministic training text: fixed paragraphs plus seeded word salad (same every call)."""
+    rng = random.Random(20240229)
+    lines = _TEXT.splitlines()
+    for _ in range(600):
+        n = rng.randint(4, 14)
+        sentence = " ".join(rng.choice(_WORDS) for _ in range(n))
+        lines.append(sentence[0].upper() + sentence[1:] + rng.choice(".!?,;:"))
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE: the 256-byte alphabet is always present, so every UTF-8 string encodes."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
+    added = {
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": ENDOFTEXT,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# --------------------------------------------------------------------------- weights
+
+
+BRANCH_GAIN = 10.0
+
+
+def _init_std(cfg: dict[str, Any]) -> dict[str, float]:
+    """Standard deviations per weight kind.
+
+    Inputs of every projection are RMS-normalised (entries ~1), so a [out, in] weight with std s
+    gives outputs with std ~ s * sqrt(in). We aim for: logits std ~8 (clear argmax), attention
+    scores std of a few units (sharp but not one-hot), branch outputs comparable to the residual
+    (embeddings std 1) so that attention and MLP both move the next-token choice.
+    """
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_dim = cfg["num_attention_heads"] * head_dim
+    inter = cfg["intermediate_size"]
+    return {
+        "embed": 1.0,
+        "lm_head": 1.0,
+        # q, k entries std ~ sqrt(2) -> score q.k/sqrt(d) std ~ 2; qwen3 renormalises q/k anyway.
+        "qk": 1.5 / hidden**0.5,
+        "v": 1.0 / hidden**0.5,
+        "o": BRANCH_GAIN / q_dim**0.5,
+        "gate_up": 1.0 / hidden**0.5,
+        "down": BRANCH_GAIN / inter**0.5,
+        "bias": 0.3,
+    }
+
+
+def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random float32 tensors named as HF names them; norm weights near (not at) 1 so a loader
+    that forgets to load them is caught."""
+    gen = torch.Generator().manual_seed(seed)
+    std = _init_std(cfg)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // n_heads
+    model_type = cfg["model_type"]
+    qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
+    o_bias = model_type != "qwen2" and bool(cfg.get("attention_bias"))
+    mlp_bias = bool(cfg.get("mlp_bias"))
+
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + randn(n, scale=0.1)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, hidden, scale=std["embed"])}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(hidden)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        w[p + "self_attn.q_proj.weight"] = randn(n_heads * head_dim, hidden, scale=std["qk"])
+        w[p + "self_attn.k_proj.weight"] = randn(n_kv * head_dim, hidden, scale=std["qk"])
+        w[p + "self_attn.v_proj.weight"] = randn(n_kv * head_dim, hidden, scale=std["v"])
+        w[p + "self_attn.o_proj.weight"] = randn(hidden, n_heads * head_dim, scale=std["o"])
+        if qkv_bias:
+            w[p + "self_attn.q_proj.bias"] = randn(n_heads * head_dim, scale=std["bias"])
+            w[p + "self_attn.k_proj.bias"] = randn(n_kv * head_dim, scale=std["bias"])
+            w[p + "self_attn.v_proj.bias"] = randn(n_kv * head_dim, scale=std["bias"])
+        if o_bias:
+            w[p + "self_attn.o_proj.bias"] = randn(hidden, scale=std["bias"])
+        if model_type == "qwen3":
+            # per-head q/k RMSNorm: weight ~1.5 so scores q.k/sqrt(d) have std ~2 after renormalising
+            w[p + "self_attn.q_norm.weight"] = 1.5 + randn(head_dim, scale=0.1)
+            w[p + "self_attn.k_norm.weight"] = 1.5 + randn(head_dim, scale=0.1)
+        w[p + "mlp.gate_proj.weight"] = randn(inter, hidden, scale=std["gate_up"])
+        w[p + "mlp.up_proj.weight"] = randn(inter, hidden, scale=std["gate_up"])
+        w[p + "mlp.down_proj.weight"] = randn(hidden, inter, scale=std["down"])
+        if mlp_bias:
+            w[p + "mlp.gate_proj.bias"] = randn(inter, scale=std["bias"])
+            w[p + "mlp.up_proj.bias"] = randn(inter, scale=std["bias"])
+            w[p + "mlp.down_proj.bias"] = randn(hidden, scale=std["bias"])
+    w["model.norm.weight"] = norm(hidden)
+    if not cfg.get("tie_word_embeddings", False):
+        w["lm_head.weight"] = randn(vocab, hidden, scale=std["lm_head"])
+    return w
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+
+
+def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **overrides: Any) -> str:
+    """Write a tiny checkpoint of ``arch`` to ``out_dir`` (created if missing); return ``out_dir``.
+
+    ``overrides`` replace config.json keys (e.g. ``num_hidden_layers=4``). ``vocab_size`` is the
+    tokenizer's training target; config.json gets the size actually reached, so every id the
+    model can emit decodes. Same arguments give byte-identical files.
+    """
+    if arch not in _ARCH_CONFIGS:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    cfg = copy.deepcopy(_COMMON)
+    cfg.update(copy.deepcopy(_ARCH_CONFIGS[arch]))
+    cfg.update(overrides)
+
+    tok = build_tokenizer(int(cfg["vocab_size"]))
+    cfg["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+    eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
+    cfg.update({"bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot})
+
+    os.makedirs(out_dir, exist_ok=True)
+    _write_json(os.path.join(out_dir, "config.json"), cfg)
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot},
+    )
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tok))
+    save_file(make_weights(cfg, seed), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdcluster make-tiny-model", description=__doc__.splitlines()[0])
+    parser.add_argument("out", metavar="OUT", help="output directory (created if missing)")
+    parser.add_argument("--arch", default="qwen3", choices=ARCHS, help="model family (default: qwen3)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
