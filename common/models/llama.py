@@ -1,0 +1,172 @@
+"""The Llama family (Llama 2/3, Qwen2, Qwen3): one implementation, switched by ModelArchConfig.
+
+    tokens -> embed -> L x [ RMSNorm -> attention -> +res -> RMSNorm -> SwiGLU MLP -> +res ]
+           -> RMSNorm (last new token of each request only) -> hidden [B, H]
+    compute_logits(hidden) -> lm_head (or the tied embedding) -> [B, vocab] float32
+
+Family differences are flags: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3: per-head RMSNorm on q
+and k before RoPE), ``tie_word_embeddings``, RoPE scaling (Llama 3.1).
+
+Everything runs on the packed tokens of the whole batch ([T, ...]); only the attention backend
+knows where one request ends. q/k/v and gate/up are fused into one matmul each; the loader fills
+the fused weights from the checkpoint's separate tensors (see ``checkpoint_targets``).
+Parameters are allocated with ``torch.empty`` (no random init: every one is loaded).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.attention.base import AttentionBackend, AttentionLayerSpec
+from common.engine.forward_batch import ForwardBatch
+from common.models.arch import ModelArchConfig
+from common.models.rope import RotaryEmbedding, apply_rope
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the model dtype, then scale in the model dtype (as HF).
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.backend = backend
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = _param(qkv_out, arch.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(qkv_out, dtype=dtype) if arch.qkv_bias else None
+        self.o_proj = _param(arch.hidden_size, self.q_size, dtype=dtype)
+        self.o_bias = _param(arch.hidden_size, dtype=dtype) if arch.o_bias else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            scaling=arch.head_dim**-0.5,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, d = x.shape[0], self.arch.head_dim
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.arch.num_heads, d)  # [T, heads, head_dim]
+        k = k.reshape(t, self.arch.num_kv_heads, d)  # [T, kv_heads, head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend.forward(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), self.spec, batch)  # [T, q]
+        return F.linear(out, self.o_proj, self.o_bias)  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = arch.intermediate_size
+        self.gate_up_proj = _param(2 * self.inter, arch.hidden_size, dtype=dtype)
+        self.gate_up_bias = _param(2 * self.inter, dtype=dtype) if arch.mlp_bias else None
+        self.down_proj = _param(arch.hidden_size, self.inter, dtype=dtype)
+        self.down_bias = _param(arch.hidden_size, dtype=dtype) if arch.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).split(self.inter, dim=-1)  # [T, I] each
+        return F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = Attention(arch, layer_id, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)  # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, backend, dtype) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden state of each request's last new token, after the final norm. [B, H]"""
+        h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)  # [T, 1, head_dim] each
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch)
+        return self.norm(h[batch.last_token_indices()])  # [B, H]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, vocab] float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """Every tensor the checkpoint must provide (HF names) -> the view of our parameter it
+        fills. Fused parameters appear as several row slices::
+
+            qkv_proj rows: [0, q) <- q_proj | [q, q+kv) <- k_proj | [q+kv, q+2kv) <- v_proj
+            gate_up_proj rows: [0, I) <- gate_proj | [I, 2I) <- up_proj
+        """
+        q, kv, inter = self.arch.q_size, self.arch.kv_size, self.arch.intermediate_size
+        t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.weight.data}
+        if self.lm_head is not None:
+            t["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            t[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data
+            t[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+            for kind, tensor in (("weight", attn.qkv_proj), ("bias", attn.qkv_bias)):
+                if tensor is not None:
+                    t[p + f"self_attn.q_proj.{kind}"] = tensor.data[:q]
+                    t[p + f"self_attn.k_proj.{kind}"] = tensor.data[q : q + kv]
+                    t[p + f"self_attn.v_proj.{kind}"] = tensor.data[q + kv :]
+            t[p + "self_attn.o_proj.weight"] = attn.o_proj.data
+            if attn.o_bias is not None:
+                t[p + "self_attn.o_proj.bias"] = attn.o_bias.data
+            if attn.q_norm is not None and attn.k_norm is not None:
+                t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.data
+                t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.data
+            for kind, tensor in (("weight", mlp.gate_up_proj), ("bias", mlp.gate_up_bias)):
+                if tensor is not None:
+                    t[p + f"mlp.gate_proj.{kind}"] = tensor.data[:inter]
+                    t[p + f"mlp.up_proj.{kind}"] = tensor.data[inter:]
+            t[p + "mlp.down_proj.weight"] = mlp.down_proj.data
+            if mlp.down_bias is not None:
+                t[p + "mlp.down_proj.bias"] = mlp.down_bias.data
+        return t
+
+    def ignorable_checkpoint_tensor(self, name: str) -> bool:
+        """Tensors some checkpoints carry that we derive or do not need."""
+        if name.endswith("rotary_emb.inv_freq"):  # old exports saved the RoPE buffer
+            return True
+        # Tied checkpoints sometimes also store lm_head; the embedding is authoritative (as in HF).
+        return name == "lm_head.weight" and self.lm_head is None
