@@ -1,0 +1,5 @@
+import sys
+
+from common.server.launch import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""The API process's slice of configuration."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from common.config import ConfigError, NodeConfig
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    role: Literal["prefill", "decode"]
+    model_path: str
+    context_length: int  # prompt + generated tokens per sequence
+    served_model_name: str = ""  # "" -> model_path
+    tokenizer_path: str | None = None  # None -> model_path
+    model_type: str = "unknown"
+    architectures: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # Filled into a request whose bootstrap_host is set but bootstrap_port is null (the router
+    # sends null when it was started without a port for that prefill).
+    bootstrap_port: int = 8998
+    # Default max_new_tokens per API when the body names none (SGLang's defaults); chat uses
+    # the rest of the context.
+    generate_default_max_new_tokens: int = 128
+    completion_default_max_tokens: int = 16
+    query_timeout_s: float = 5.0  # /get_load, /metrics, /debug/memory, /flush_cache
+    health_generate_timeout_s: float = 20.0
+    max_batch_size: int = 10000  # sub-requests per HTTP request (batch items x n)
+    # Extra keys merged into /server_info (page size, max_total_tokens, ... from the launcher).
+    server_info_extra: dict = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def validate(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"role {self.role!r}: expected prefill or decode")
+        if self.context_length < 2:
+            raise ConfigError(f"context length {self.context_length} must be >= 2")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} out of range")
+
+    @classmethod
+    def from_node_config(cls, cfg: NodeConfig, **extra: object) -> ApiConfig:
+        """Build from the node's config; the model's config.json supplies what the flags left out."""
+        hf = cfg.model.hf_config()
+        ctx = cfg.model.context_length or hf.get("max_position_embeddings")
+        if not isinstance(ctx, int):
+            raise ConfigError(f"{os.path.join(cfg.model.model_path, 'config.json')} has no "
+                              "max_position_embeddings; pass --context-length")
+        return cls(
+            role=cfg.role,
+            model_path=cfg.model.model_path,
+            tokenizer_path=cfg.model.tokenizer_path,
+            served_model_name=cfg.model.served_model_name or "",
+            context_length=ctx,
+            model_type=str(hf.get("model_type", "unknown")),
+            architectures=tuple(hf.get("architectures") or ()),
+            host=cfg.server.host,
+            port=cfg.server.port,
+            bootstrap_port=cfg.transfer.bootstrap_port,
+            server_info_extra={
+                "page_size": cfg.cache.page_size,
+                "max_total_tokens": cfg.cache.max_total_tokens,
+                "max_running_requests": cfg.cache.max_running_requests,
+                "chunked_prefill_size": cfg.sched.chunked_prefill_size,
+                "disaggregation_transfer_backend": cfg.transfer.backend,
+            },
+            **extra,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def for_model_dir(cls, role: Literal["prefill", "decode"], model_path: str, **kw: object) -> ApiConfig:
+        """Convenience for tools and tests: read context length and names from config.json."""
+        with open(os.path.join(model_path, "config.json")) as f:
+            hf = json.load(f)
+        kw.setdefault("context_length", int(hf.get("max_position_embeddings", 2048)))
+        return cls(
+            role=role,
+            model_path=model_path,
+            model_type=str(hf.get("model_type", "unknown")),
+            architectures=tuple(hf.get("architectures") or ()),
+            **kw,  # type: ignore[arg-type]
+        )

@@ -1,0 +1,161 @@
+"""Parse OpenAI ``/v1/completions`` and ``/v1/chat/completions`` bodies into a ``ParsedRequest``.
+
+Accepts what sglang-router 0.3.2 rebuilds (``"model": null``/``"unknown"``, ``max_completion_tokens``,
+many default fields) and the SGLang/vLLM extras benchmark clients send (``ignore_eos``,
+``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``seed``, ``n``, logprobs,
+``stream_options.include_usage``). Unknown fields are ignored; known features we do not
+implement (constrained decoding, logit bias, tools, echo, ...) are rejected with 400 rather
+than silently producing different output.
+
+With ``n > 1`` and a ``seed``, sample j uses ``seed + j`` so the n choices differ yet stay
+reproducible.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from common.request import InvalidRequest
+from common.server.config import ApiConfig
+from common.server.errors import bad_request
+from common.server.parse_common import (
+    ParsedRequest,
+    SubRequest,
+    as_id_list,
+    build_sampling,
+    expand_bootstrap,
+    finalize_sub,
+    get_bool,
+    get_int,
+    is_int,
+    make_rids,
+    reject_unsupported,
+)
+from common.server.textio import TokenizerLike
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens")
+_UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "logit_bias", "suffix", "echo",
+                "min_tokens", "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
+                "tools", "functions", "continue_final_message")
+_SEED_MOD = 2**63
+
+
+def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
+    """(n, stream, include_usage) after the checks both endpoints share."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    reject_unsupported(body, _UNSUPPORTED)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+        raise bad_request("'response_format' other than text is not supported by this server")
+    n = get_int(body, "n", 1)
+    assert n is not None
+    if n < 1:
+        raise bad_request(f"'n' must be >= 1, got {n}")
+    best_of = get_int(body, "best_of")
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' different from 'n' is not supported by this server")
+    stream = get_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object")
+    include_usage = get_bool(opts or {}, "include_usage")
+    return n, stream, include_usage
+
+
+def _max_tokens(body: dict, default: int) -> int:
+    # The router rebuilds max_tokens as max_completion_tokens; OpenAI deprecated max_tokens.
+    v = get_int(body, "max_completion_tokens")
+    if v is None:
+        v = get_int(body, "max_tokens")
+    if v is None:
+        return default
+    if v < 0:
+        raise bad_request(f"'max_tokens' must be >= 0, got {v}")
+    return v
+
+
+def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts: list[list[int]], n: int,
+             max_new: int, logprob: bool, top: int, stream: bool, include_usage: bool) -> ParsedRequest:
+    count = len(prompts) * n
+    if count > cfg.max_batch_size:
+        raise bad_request(f"{count} sequences in one request; the limit is {cfg.max_batch_size}")
+    fields = {k: body.get(k) for k in _SAMPLING_KEYS}
+    fields["max_new_tokens"] = max_new
+    build_sampling(fields)  # type errors once, before the fan-out
+    boots = expand_bootstrap(body, count, cfg.bootstrap_port)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    parent, rids = make_rids(body.get("rid"), count, prefix + uuid.uuid4().hex)
+    subs = []
+    for i, ids in enumerate(prompts):
+        for j in range(n):
+            idx = i * n + j
+            sampling = build_sampling(fields)
+            if sampling.seed is not None and j:
+                sampling.seed = (sampling.seed + j) % _SEED_MOD
+            host, port, room = boots[idx]
+            sub = SubRequest(rid=rids[idx], index=idx, input_ids=ids, sampling=sampling, bootstrap_host=host,
+                             bootstrap_port=port, bootstrap_room=room, return_logprob=logprob,
+                             top_logprobs_num=top)
+            finalize_sub(sub, cfg, tok.vocab_size)
+            subs.append(sub)
+    return ParsedRequest(kind=kind, rid=parent, subs=subs, stream=stream,  # type: ignore[arg-type]
+                         model=cfg.model_name, n=n, include_usage=include_usage)
+
+
+def parse_completion(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
+    n, stream, include_usage = _common(body, cfg)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [tok.encode(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [tok.encode(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [as_id_list(p, "'prompt' entries") for p in prompt]
+    else:
+        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a "
+                          "list of such lists (non-empty)")
+    top = get_int(body, "logprobs")  # completions: an int (how many alternatives), or null
+    if top is not None and not 0 <= top <= 20:
+        raise bad_request(f"'logprobs' must be in [0, 20], got {top}")
+    return _fan_out("completion", body, cfg, tok, prompts, n, _max_tokens(body, cfg.completion_default_max_tokens),
+                    top is not None, top or 0, stream, include_usage)
+
+
+def _check_message(i: int, msg: Any) -> dict:
+    """Shape checks with the message's index in the error; content parts are flattened by the
+    tokenizer's chat template wrapper."""
+    if not isinstance(msg, dict):
+        raise bad_request(f"messages[{i}] must be an object")
+    role = msg.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_request(f"messages[{i}].role must be a non-empty string")
+    content = msg.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise bad_request(f"messages[{i}].content must be a string, a list of content parts or null")
+    return {**msg, "content": "" if content is None else content}
+
+
+def parse_chat(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
+    n, stream, include_usage = _common(body, cfg)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list")
+    msgs = [_check_message(i, m) for i, m in enumerate(messages)]
+    try:
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    except InvalidRequest as exc:  # no template, or the template rejects this conversation
+        raise bad_request(str(exc)) from exc
+    assert isinstance(ids, list)
+    logprob = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", 0) or 0
+    if top and not logprob:
+        raise bad_request("'top_logprobs' needs 'logprobs': true")
+    if not 0 <= top <= 20:
+        raise bad_request(f"'top_logprobs' must be in [0, 20], got {top}")
+    # No max_tokens: the rest of the context (finalize_sub clips to it).
+    return _fan_out("chat", body, cfg, tok, [ids], n, _max_tokens(body, cfg.context_length), logprob, top,
+                    stream, include_usage)

@@ -1,0 +1,184 @@
+"""Response bodies: native SGLang, OpenAI completion and chat — whole, and as SSE chunks.
+
+Pure functions of ``ParsedRequest`` + ``SubState``s, so unit tests can check shapes without a
+server. Native streams carry the *cumulative* text and ids (like SGLang); OpenAI streams carry
+deltas.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.server.outputs import SubState
+from common.server.parse_common import ParsedRequest
+from common.server.textio import TokenizerLike, token_piece
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+_piece = token_piece
+
+
+# ---- usage -------------------------------------------------------------------------------------
+
+
+def usage(req: ParsedRequest, states: list[SubState]) -> dict:
+    """Prompt tokens count once per prompt, not once per sample (OpenAI's n semantics)."""
+    n = req.n
+    prompt = sum(s.prompt_tokens for s in states if s.sub.index % n == 0)
+    completion = sum(s.completion_tokens for s in states)
+    cached = sum(s.cached_tokens for s in states if s.sub.index % n == 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# ---- native ------------------------------------------------------------------------------------
+
+
+def native_item(req: ParsedRequest, s: SubState, tok: TokenizerLike, stream: bool = False) -> dict:
+    out = {"text": s.text, "output_ids": list(s.output_ids),
+           "meta_info": s.meta_info(req.return_text_in_logprobs, tok)}
+    if stream or req.batch:
+        out["index"] = s.sub.index
+    return out
+
+
+def native_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) -> Any:
+    items = [native_item(req, s, tok) for s in states]
+    return items if req.batch else items[0]
+
+
+# ---- OpenAI logprobs ---------------------------------------------------------------------------
+
+
+def completion_logprobs(s: SubState, tok: TokenizerLike, start: int, end: int, text_offset: int) -> dict:
+    tokens = [_piece(tok, t) for t in s.output_ids[start:end]]
+    offsets = []
+    for p in tokens:
+        offsets.append(text_offset)
+        text_offset += len(p)
+    top = None
+    if s.sub.top_logprobs_num:
+        top = [{_piece(tok, tid): lp for tid, lp in step} for step in s.top_logprobs[start:end]]
+    return {"tokens": tokens, "token_logprobs": s.logprobs[start:end], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(s: SubState, tok: TokenizerLike, start: int, end: int) -> dict:
+    content = []
+    tops = s.top_logprobs[start:end] if s.sub.top_logprobs_num else [[] for _ in range(start, end)]
+    for tid, lp, top in zip(s.output_ids[start:end], s.logprobs[start:end], tops):
+        piece = _piece(tok, tid)
+        content.append({
+            "token": piece, "logprob": lp, "bytes": list(piece.encode()),
+            "top_logprobs": [{"token": _piece(tok, t), "logprob": v, "bytes": list(_piece(tok, t).encode())}
+                             for t, v in top],
+        })
+    return {"content": content}
+
+
+# ---- OpenAI whole bodies -----------------------------------------------------------------------
+
+
+def _finish(s: SubState) -> tuple[str | None, Any]:
+    if s.finish is None:
+        return None, None
+    matched = s.finish.matched if s.finish.type == "stop" else None
+    return s.finish.openai, matched
+
+
+def completion_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) -> dict:
+    choices = []
+    for s in states:
+        reason, matched = _finish(s)
+        lp = completion_logprobs(s, tok, 0, len(s.output_ids), 0) if s.sub.return_logprob else None
+        choices.append({"index": s.sub.index, "text": s.text, "logprobs": lp, "finish_reason": reason,
+                        "matched_stop": matched})
+    return {"id": req.rid, "object": "text_completion", "created": int(req.arrival_time), "model": req.model,
+            "choices": choices, "usage": usage(req, states)}
+
+
+def chat_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) -> dict:
+    choices = []
+    for s in states:
+        reason, matched = _finish(s)
+        lp = chat_logprobs(s, tok, 0, len(s.output_ids)) if s.sub.return_logprob else None
+        choices.append({"index": s.sub.index, "message": {"role": "assistant", "content": s.text},
+                        "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
+    return {"id": req.rid, "object": "chat.completion", "created": int(req.arrival_time), "model": req.model,
+            "choices": choices, "usage": usage(req, states)}
+
+
+def whole_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) -> Any:
+    if req.kind == "generate":
+        return native_body(req, states, tok)
+    if req.kind == "completion":
+        return completion_body(req, states, tok)
+    return chat_body(req, states, tok)
+
+
+# ---- streaming chunks --------------------------------------------------------------------------
+
+
+class StreamShaper:
+    """Turns per-sequence updates into SSE chunks for one HTTP request."""
+
+    def __init__(self, req: ParsedRequest, tok: TokenizerLike) -> None:
+        self.req = req
+        self.tok = tok
+        self.created = int(req.arrival_time)
+        self._role_sent: set[int] = set()
+        self._text_offset: dict[int, int] = {}
+
+    def _openai(self, choice: dict) -> bytes:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return sse({"id": self.req.rid, "object": obj, "created": self.created, "model": self.req.model,
+                    "choices": [choice]})
+
+    def update(self, s: SubState, delta: str) -> list[bytes]:
+        """Chunks for what ``s`` gained since the last call (``delta``: newly visible text)."""
+        start, end = s.sent_tokens, len(s.output_ids)
+        s.sent_tokens = end
+        if self.req.kind == "generate":
+            if not (delta or end > start or s.finished):
+                return []
+            return [sse(native_item(self.req, s, self.tok, stream=True))]
+        reason, matched = _finish(s)
+        if not delta and reason is None and not (s.sub.return_logprob and end > start):
+            return []
+        idx = s.sub.index
+        chunks = []
+        if self.req.kind == "chat":
+            if idx not in self._role_sent:
+                self._role_sent.add(idx)
+                chunks.append(self._openai({"index": idx, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}))
+            lp = chat_logprobs(s, self.tok, start, end) if s.sub.return_logprob else None
+            choice = {"index": idx, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                      "finish_reason": reason}
+        else:
+            lp = None
+            if s.sub.return_logprob:
+                off = self._text_offset.get(idx, 0)
+                lp = completion_logprobs(s, self.tok, start, end, off)
+                self._text_offset[idx] = off + sum(len(p) for p in lp["tokens"])
+            choice = {"index": idx, "text": delta, "logprobs": lp, "finish_reason": reason}
+        if reason is not None:
+            choice["matched_stop"] = matched
+        chunks.append(self._openai(choice))
+        return chunks
+
+    def usage_chunk(self, states: list[SubState]) -> bytes | None:
+        if self.req.kind == "generate" or not self.req.include_usage:
+            return None
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return sse({"id": self.req.rid, "object": obj, "created": self.created, "model": self.req.model,
+                    "choices": [], "usage": usage(self.req, states)})

@@ -1,0 +1,208 @@
+"""The API process's end of the ZMQ link to its scheduler (see common/protocol.py).
+
+One asyncio task reads ``from_scheduler`` and dispatches: each ``ReqOutput`` to the queue of
+the HTTP request that owns its rid, each ``QueryReply`` to the future waiting for it. One task
+drains an outgoing queue into ``to_scheduler``, so callers enqueue with a plain (non-async)
+call — which is what cleanup paths in ``finally`` blocks and cancelled tasks need.
+
+A watchdog (optional ``scheduler_alive`` callable, checked every second) fails every in-flight
+request with 503 once the scheduler process is gone, instead of leaving clients hanging.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from common.protocol import (
+    AbortReq,
+    BatchOutput,
+    FlushCacheReq,
+    GenerateReq,
+    QueryReply,
+    QueryReq,
+    ReqOutput,
+    ToScheduler,
+    decode_from_scheduler,
+    encode,
+    new_query_id,
+)
+from common.request import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+class DuplicateRid(ValueError):
+    pass
+
+
+class SchedulerGone(RuntimeError):
+    pass
+
+
+class SchedulerClient:
+    """Owns the PUSH/PULL sockets; routes scheduler output to per-request queues.
+
+    Life cycle: ``await start()`` inside the server's event loop, ``await close()`` at shutdown.
+    """
+
+    def __init__(self, to_scheduler: str, from_scheduler: str,
+                 scheduler_alive: Callable[[], bool] | None = None) -> None:
+        self._to_addr = to_scheduler
+        self._from_addr = from_scheduler
+        self._alive = scheduler_alive
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._outbox: asyncio.Queue[ToScheduler] = asyncio.Queue()
+        self._queues: dict[str, asyncio.Queue[ReqOutput]] = {}  # rid -> owner's queue
+        self._queries: dict[str, asyncio.Future[dict]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.ready = asyncio.Event()  # set by the first message from the scheduler
+        self.gone_reason: str | None = None
+        self.last_heard: float = 0.0
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self._from_addr)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.connect(self._to_addr)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._recv_loop(), name="sched-recv"),
+                       loop.create_task(self._send_loop(), name="sched-send"),
+                       loop.create_task(self._watchdog(), name="sched-watchdog"),
+                       loop.create_task(self._probe(), name="sched-probe")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._ctx = self._push = self._pull = None
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def register(self, rids: list[str]) -> asyncio.Queue[ReqOutput]:
+        """One queue that receives the outputs of all ``rids`` (one HTTP request's sequences)."""
+        if self.gone_reason is not None:
+            raise SchedulerGone(self.gone_reason)
+        dup = [r for r in rids if r in self._queues]
+        if dup:
+            raise DuplicateRid(f"request id {dup[0]!r} is already in flight")
+        q: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        for r in rids:
+            self._queues[r] = q
+        return q
+
+    def unregister(self, rids: list[str]) -> None:
+        for r in rids:
+            self._queues.pop(r, None)
+
+    def is_inflight(self, rid: str) -> bool:
+        return rid in self._queues
+
+    def inflight_rids(self) -> list[str]:
+        return list(self._queues)
+
+    def send(self, msg: GenerateReq | AbortReq) -> None:
+        self._outbox.put_nowait(msg)
+
+    def abort(self, rid: str) -> None:
+        self._outbox.put_nowait(AbortReq(rid=rid))
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    async def query(self, what: str, timeout: float) -> dict:
+        """QueryReq round trip; ``TimeoutError`` when the scheduler does not answer in time."""
+        return await self._round_trip(lambda qid: QueryReq(query_id=qid, what=what), timeout)  # type: ignore[arg-type]
+
+    async def flush_cache(self, timeout: float) -> dict:
+        return await self._round_trip(lambda qid: FlushCacheReq(query_id=qid), timeout)
+
+    async def _round_trip(self, make: Callable[[str], QueryReq | FlushCacheReq], timeout: float) -> dict:
+        if self.gone_reason is not None:
+            raise SchedulerGone(self.gone_reason)
+        qid = new_query_id()
+        fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._queries[qid] = fut
+        try:
+            self._outbox.put_nowait(make(qid))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._queries.pop(qid, None)
+
+    # ---- background tasks -------------------------------------------------------------------
+
+    async def _send_loop(self) -> None:
+        assert self._push is not None
+        while True:
+            msg = await self._outbox.get()
+            await self._push.send(encode(msg), copy=False)
+
+    async def _recv_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            buf = await self._pull.recv(copy=True)
+            try:
+                self._dispatch(buf)
+            except Exception:  # a bug in dispatch must not stop all future output
+                logger.exception("error dispatching scheduler output")
+
+    def _dispatch(self, buf: bytes) -> None:
+        msg = decode_from_scheduler(buf)
+        if msg is None:
+            return
+        self.last_heard = time.monotonic()
+        self.ready.set()
+        if isinstance(msg, BatchOutput):
+            for item in msg.items:
+                q = self._queues.get(item.rid)
+                if q is None:
+                    continue  # aborted / disconnected / already answered: nobody listens
+                if item.finish is not None:
+                    self._queues.pop(item.rid, None)
+                q.put_nowait(item)
+        elif isinstance(msg, QueryReply):
+            fut = self._queries.get(msg.query_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.payload)
+
+    async def _probe(self) -> None:
+        """Ask for the load until the scheduler first answers: /health is 503 until then."""
+        while not self.ready.is_set() and self.gone_reason is None:
+            with contextlib.suppress(TimeoutError, SchedulerGone):
+                await self.query("load", timeout=0.5)
+
+    async def _watchdog(self) -> None:
+        if self._alive is None:
+            return
+        while self.gone_reason is None:
+            await asyncio.sleep(1.0)
+            if not self._alive():
+                self._fail_all("the scheduler process exited")
+
+    def _fail_all(self, reason: str) -> None:
+        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
+        self.gone_reason = reason
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(ReqOutput(rid=rid, finish=FinishReason(type="abort", message=reason),
+                                   error=reason, http_status=503))
+        self._queues.clear()
+        for fut in self._queries.values():
+            if not fut.done():
+                fut.set_exception(SchedulerGone(reason))
