@@ -1,0 +1,295 @@
+"""Batched next-token sampling over ``[B, V]`` float32 logits with per-request parameters.
+
+Each row goes through the order Hugging Face ``generate`` uses (logits processors, then
+warpers), so one request alone behaves like transformers with the same settings::
+
+    raw logits ─► logprobs = log_softmax(raw logits)        (reported only; see below)
+        │
+        ├─ repetition penalty over prompt + output ids     HF: l/p if l > 0 else l*p
+        ├─ frequency / presence penalty over output ids    OpenAI: l - f*count - p*[count > 0]
+        │
+        ├─ greedy rows (temperature 0 or top_k 1) ─► argmax ─────────────────────────► token
+        │
+        └─ / temperature ─► top-k ─► top-p ─► min-p ─► exponential race (seeded) ─► token
+                          (each filter sees the distribution renormalised after the previous one)
+
+Logprobs are the *raw model* logprobs: log_softmax of the logits before penalties, temperature
+and filters (what SGLang and vLLM return by default). They describe the model, not the sampler,
+so they are comparable across requests with different sampling settings.
+
+Randomness. A seeded request draws its noise from a generator seeded with
+``mix(seed, len(output_ids))``: the token at step ``n`` depends only on (seed, n, the row's
+logits). That makes seeded output independent of batch composition, and also of *where* the
+token is sampled: the prefill node samples step 0 and the decode node step 1 on, a retracted and
+recomputed request replays the same steps, and no generator state has to travel with the
+request. Unseeded rows share the sampler's own generator.
+
+Sampling is an exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. per token picks
+token ``i`` with probability ``p_i`` (the minimum of ``q_i / p_i`` is Exp-distributed with rate
+``p_i``), needs no cumulative sum and is one vectorised op over the batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One round of splitmix64: a bijective 64-bit mixer, so nearby inputs give unrelated outputs."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed for a seeded request's ``step``-th output token (0-based)."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One request's result of one step, as plain Python data."""
+
+    token_id: int
+    logprob: float | None  # raw logprob of token_id; None when the request did not ask
+    top_logprobs: list[tuple[int, float]]  # (token id, raw logprob), most likely first
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: torch.Tensor | None  # [B] float32 raw logprob of token_ids; None if no row asked
+    top_ids: torch.Tensor | None  # [B, K] int64, K = max top_logprobs_num in the batch
+    top_logprobs: torch.Tensor | None  # [B, K] float32
+    want_logprob: list[bool]  # per row: SamplingParams.return_logprob
+    top_nums: list[int]  # per row: how many of the K top entries belong to it
+
+    def tolist(self) -> list[SampledToken]:
+        """Copy to the host once and split per request."""
+        ids = self.token_ids.tolist()
+        lps = self.logprobs.tolist() if self.logprobs is not None else None
+        tids = self.top_ids.tolist() if self.top_ids is not None else None
+        tlps = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        out: list[SampledToken] = []
+        for i, tok in enumerate(ids):
+            lp = lps[i] if lps is not None and self.want_logprob[i] else None
+            n = self.top_nums[i] if tids is not None and tlps is not None else 0
+            top = list(zip(tids[i][:n], tlps[i][:n])) if n else []
+            out.append(SampledToken(token_id=tok, logprob=lp, top_logprobs=top))
+        return out
+
+
+def needs_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token id occurs in each row. [B, V] float32.
+
+    Rows are padded with the id ``vocab``, which lands in a spill column that is cut off.
+    """
+    width = max((len(r) for r in rows), default=0)
+    padded = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.int64)  # [B, L]
+    for i, r in enumerate(rows):
+        if r:
+            padded[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    padded = padded.to(device)
+    counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=device)  # [B, V+1]
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]],
+    prompt_ids: Sequence[Sequence[int]] | None,
+) -> torch.Tensor:
+    """Return penalised logits (a new tensor); rows without penalties are unchanged.
+
+    logits: [B, V] float32. Repetition penalty (HF) covers prompt and output ids; frequency and
+    presence penalties (OpenAI) cover output ids only.
+    """
+    out = logits.clone()  # [B, V]
+    bsz, vocab = out.shape
+    device = out.device
+    rep = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in rep):
+        if prompt_ids is None:
+            raise ValueError("repetition_penalty needs prompt_ids")
+        seen_rows = [list(prompt_ids[i]) + list(output_ids[i]) if rep[i] != 1.0 else [] for i in range(bsz)]
+        seen = _token_counts(seen_rows, vocab, device) > 0  # [B, V] bool
+        pen = torch.tensor(rep, dtype=torch.float32, device=device)[:, None]  # [B, 1]
+        penalised = torch.where(out > 0, out / pen, out * pen)  # [B, V]
+        out = torch.where(seen, penalised, out)
+    freq = [p.frequency_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    if any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres):
+        counts = _token_counts(output_ids, vocab, device)  # [B, V]
+        f = torch.tensor(freq, dtype=torch.float32, device=device)[:, None]  # [B, 1]
+        pr = torch.tensor(pres, dtype=torch.float32, device=device)[:, None]  # [B, 1]
+        out = out - f * counts - pr * (counts > 0).to(torch.float32)
+    return out
+
+
+def filter_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """The distribution a non-greedy row samples from. [B, V] float32, rows sum to 1.
+
+    logits [B, V] float32 (penalised); temperature [B] float32 > 0; top_k [B] int64 in [1, V]
+    (V = off); top_p [B] float32 in (0, 1] (1 = off); min_p [B] float32 in [0, 1] (0 = off).
+    Top-k keeps ties at the k-th value, as HF's TopKLogitsWarper does.
+    """
+    scaled = logits / temperature[:, None]  # [B, V]
+    vocab = scaled.shape[1]
+    # Work in descending order: position 0 is the most likely token of each row.
+    #   sorted[b, j] = scaled[b, order[b, j]]
+    srt, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V], [B, V] int64
+    kth = srt.gather(1, (top_k - 1).clamp(0, vocab - 1)[:, None])  # [B, 1]
+    srt = srt.masked_fill(srt < kth, float("-inf"))
+    probs = torch.softmax(srt, dim=-1)  # [B, V] renormalised over the top-k
+    # Top-p: keep a token while the mass strictly before it is below top_p; the first token
+    # always survives (mass before it is 0). Rows at top_p == 1 skip this: cumsum rounding can
+    # reach 1.0 early and would cut the tail.
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, V]
+    tp = top_p[:, None]  # [B, 1]
+    probs = probs.masked_fill((mass_before >= tp) & (tp < 1.0), 0.0)
+    # Min-p: relative to the most likely token, so renormalising first would not change it.
+    probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)  # back to vocabulary order
+
+
+class Sampler:
+    """Stateless apart from the generator unseeded rows draw from.
+
+    ``seed`` fixes that generator (tests, benchmarks); None seeds it from the OS.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._seeded: dict[torch.device, torch.Generator] = {}
+
+    def _shared_gen(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._shared[device] = gen
+        return gen
+
+    def _seeded_gen(self, device: torch.device, seed: int) -> torch.Generator:
+        # One generator per device, re-seeded per row: manual_seed is cheap, construction less so.
+        gen = self._seeded.get(device)
+        if gen is None:
+            gen = self._seeded[device] = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        return gen
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SampleOutput:
+        """Pick one token per row.
+
+        logits: [B, V] float32, row i belongs to params[i]. ``output_ids[i]`` are the tokens the
+        request generated so far (its length is the step number seeds are mixed with, and the
+        frequency/presence penalties count them). ``prompt_ids`` is needed only when some row
+        has a repetition penalty.
+        """
+        bsz, vocab = logits.shape
+        if len(params) != bsz or len(output_ids) != bsz:
+            raise ValueError(f"batch of {bsz} logits rows, {len(params)} params, {len(output_ids)} output_ids")
+        logits = logits.float()  # [B, V] (no-op for float32)
+        device = logits.device
+        top_nums = [p.top_logprobs_num for p in params]
+        want_lp = [p.return_logprob for p in params]
+        # Raw logprobs, before anything below changes the logits.
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [B, V]
+
+        penalised = any(needs_penalties(p) for p in params)
+        greedy = [p.is_greedy for p in params]
+        if penalised:
+            logits = apply_penalties(logits, params, output_ids, prompt_ids)  # [B, V]
+        if all(greedy):
+            token_ids = torch.argmax(logits, dim=-1)  # [B] int64; fast path, nothing else runs
+        else:
+            token_ids = self._sample_mixed(logits, params, output_ids, greedy)
+
+        chosen = top_ids = top_vals = None
+        if raw_lp is not None:
+            chosen = raw_lp.gather(1, token_ids[:, None]).squeeze(1)  # [B]
+            k = min(max(top_nums), vocab)
+            if k > 0:
+                top_vals, top_ids = torch.topk(raw_lp, k, dim=-1)  # [B, K], [B, K]
+        return SampleOutput(
+            token_ids=token_ids,
+            logprobs=chosen,
+            top_ids=top_ids,
+            top_logprobs=top_vals,
+            want_logprob=want_lp,
+            top_nums=[n if w else 0 for n, w in zip(top_nums, want_lp)],
+        )
+
+    def _sample_mixed(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        greedy: list[bool],
+    ) -> torch.Tensor:
+        """Greedy rows take the argmax; the others sample. Returns [B] int64."""
+        device = logits.device
+        vocab = logits.shape[1]
+        token_ids = torch.argmax(logits, dim=-1)  # [B] int64 (greedy rows keep this)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = [params[i] for i in rows]
+        idx = torch.tensor(rows, dtype=torch.int64, device=device)  # [S]
+
+        def col(vals: list[float], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dtype, device=device)  # [S]
+
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in sub]
+        temperature = col([p.temperature for p in sub], torch.float32)  # [S]
+        sub_logits = logits.index_select(0, idx)  # [S, V]
+        # Decided on the host so the plain-temperature batch costs no sort and no device sync.
+        if any(k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for k, p in zip(top_k, sub)):
+            probs = filter_probs(
+                sub_logits,
+                temperature=temperature,
+                top_k=col(top_k, torch.int64),
+                top_p=col([p.top_p for p in sub], torch.float32),
+                min_p=col([p.min_p for p in sub], torch.float32),
+            )  # [S, V]
+        else:
+            probs = torch.softmax(sub_logits / temperature[:, None], dim=-1)  # [S, V]
+
+        noise = torch.empty_like(probs)  # [S, V] Exp(1) draws
+        if any(p.seed is None for p in sub):
+            noise.exponential_(generator=self._shared_gen(device))
+        for j, (i, p) in enumerate(zip(rows, sub)):
+            if p.seed is not None:
+                gen = self._seeded_gen(device, step_seed(p.seed, len(output_ids[i])))
+                noise[j].exponential_(generator=gen)
+        # Exp(1) can round to 0; a tiny floor keeps the ratio finite (the chance is ~2^-24).
+        picked = torch.argmax(probs / noise.clamp_min(1e-10), dim=-1)  # [S] int64
+        return token_ids.index_copy(0, idx, picked)
