@@ -1,0 +1,345 @@
+"""Both managers in one process with the fake data plane: the state machine, the control plane and
+the failure paths (no bytes move; ZMQ runs over loopback, the bootstrap registry is in memory)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+import pytest
+import zmq
+
+from bootstrap_server.errors import BootstrapUnreachable, RankNotRegistered
+from bootstrap_server.registry import Registry
+from bootstrap_server.schema import PrefillLayout, RankInfo
+from common.kvcache.pool import KVLayout, KVPool
+from transfer.args import KVArgs
+from transfer.aux import AuxPool, AuxRecord
+from transfer.backends.fake import FakeDataPlane
+from transfer.config import KVManagerConfig
+from transfer.decode import DecodeKVManager
+from transfer.errors import TransferError
+from transfer.poll import KVPoll
+from transfer.prefill import PrefillKVManager
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
+ADDR = "127.0.0.1:1"  # bootstrap address key of the in-memory registry
+CFG = KVManagerConfig(
+    bootstrap_timeout_s=1.0, waiting_timeout_s=1.0, heartbeat_interval_s=0.1, heartbeat_max_failures=3,
+    num_workers=2, max_batch_entries=2000, hung_peer_quarantine_s=0.5, tick_s=0.01,
+)
+
+
+class MemoryBootstrap:
+    """The bootstrap client contract over in-memory registries (one per address)."""
+
+    def __init__(self) -> None:
+        self.registries: dict[str, Registry] = {}
+
+    def register_rank(self, url: str, info: RankInfo) -> None:
+        self.registries.setdefault(url, Registry()).register(info)
+
+    def lookup_layout(self, url: str) -> PrefillLayout:
+        reg = self.registries.get(url)
+        if reg is None:
+            raise BootstrapUnreachable("bootstrap server unreachable: connection refused", url=url)
+        layout = reg.layout()
+        if layout is None:
+            raise RankNotRegistered("no rank registered", url=url, status=404)
+        return layout
+
+    def lookup_rank(self, url: str, engine_rank: int, dp_group: int) -> RankInfo:
+        info = self.lookup_layout(url) and self.registries[url].lookup(dp_group, engine_rank)
+        if info is None:
+            raise RankNotRegistered("rank not registered", url=url, status=404)
+        return info
+
+
+@dataclass
+class Side:
+    pool: KVPool
+    aux: AuxPool
+    engine: FakeDataPlane
+    args: KVArgs
+
+
+def make_side(layout: KVLayout = LAYOUT, top_k: int = 2) -> Side:
+    pool = KVPool(layout, num_pages=16, device="cpu")
+    aux = AuxPool(4, top_k=top_k)
+    args = KVArgs(layout=layout, kv=KVArgs.kv_from_pool(pool), aux=aux.buffers(), aux_top_k=top_k)
+    return Side(pool, aux, FakeDataPlane(), args)
+
+
+@dataclass
+class Cluster:
+    boot: MemoryBootstrap = field(default_factory=MemoryBootstrap)
+    managers: list[PrefillKVManager | DecodeKVManager] = field(default_factory=list)
+
+    def prefill(self, side: Side | None = None, cfg: KVManagerConfig = CFG) -> tuple[PrefillKVManager, Side]:
+        side = side or make_side()
+        mgr = PrefillKVManager(side.args, side.engine, self.boot, ADDR, cfg)
+        self.managers.append(mgr)
+        return mgr, side
+
+    def decode(self, side: Side | None = None, cfg: KVManagerConfig = CFG) -> tuple[DecodeKVManager, Side]:
+        side = side or make_side()
+        mgr = DecodeKVManager(side.args, side.engine, self.boot, cfg)
+        self.managers.append(mgr)
+        return mgr, side
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        for mgr in c.managers:
+            mgr.close()
+        leaked = [t.name for t in threading.enumerate() if t.name.startswith("pdc-")]
+        assert not leaked, f"threads left running: {leaked}"
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def until_terminal(obj: object, timeout: float = 5.0) -> tuple[KVPoll, float]:
+    """Poll like a scheduler (checking monotonicity) until terminal; return (state, seconds)."""
+    t0, seen = time.monotonic(), KVPoll.Bootstrapping
+    while True:
+        st = obj.poll()  # type: ignore[attr-defined]
+        assert st is KVPoll.Failed or st >= seen, f"poll went back from {seen.name} to {st.name}"
+        seen = st
+        if st.terminal:
+            return st, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"stuck in {st.name}"
+        time.sleep(0.002)
+
+
+def handshake(pm: PrefillKVManager, dm: DecodeKVManager, room: int, dst_pages: list[int], aux_slot: int | None = 0):
+    sender = pm.create_sender(room)
+    recv = dm.create_receiver(room, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init(dst_pages, aux_slot)
+    assert recv.poll() is KVPoll.Transferring
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    return sender, recv
+
+
+def test_happy_path_chunks_descriptors_and_states(cluster: Cluster) -> None:
+    pm, p = cluster.prefill()
+    dm, _ = cluster.decode()
+    sender, recv = handshake(pm, dm, room=7, dst_pages=[5, 6, 7, 8, 2])
+    sender.send([1, 2], last_chunk=False)
+    assert sender.poll() is KVPoll.Transferring
+    sender.send([3, 9, 10], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0))
+    assert until_terminal(sender)[0] is KVPoll.Success
+    assert until_terminal(recv)[0] is KVPoll.Success
+    # chunk 1: 1,2 -> 5,6 one run; chunk 2: 3 -> 7 and 9,10 -> 8,2 (dst breaks) three runs; +1 aux row
+    assert p.engine.descriptors == (1 + 3) * LAYOUT.num_layers * 2 + 1
+    assert sender.poll() is KVPoll.Success and recv.poll() is KVPoll.Success  # sticky
+    wait_for(lambda: pm.num_rooms() == 0 and dm.num_rooms() == 0)
+
+
+def test_transfer_info_before_sender_and_batch_split(cluster: Cluster) -> None:
+    cfg = KVManagerConfig(**{**CFG.__dict__, "max_batch_entries": 5})
+    pm, p = cluster.prefill(cfg=cfg)
+    dm, _ = cluster.decode()
+    recv = dm.create_receiver(3, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init([1, 3, 5, 7], aux_slot=None)  # prefill has no sender for room 3 yet
+    time.sleep(0.05)
+    sender = pm.create_sender(3)
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.send([1, 2, 3, 4], last_chunk=True)
+    assert until_terminal(sender)[0] is KVPoll.Success and until_terminal(recv)[0] is KVPoll.Success
+    assert p.engine.descriptors == 4 * 6 and p.engine.batches == 5  # 24 descriptors in batches of <= 5
+
+
+def test_send_before_ready_and_page_count_mismatch(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    early = pm.create_sender(1)
+    with pytest.raises(TransferError, match="room 1"):
+        early.send([1], last_chunk=True)
+    sender, recv = handshake(pm, dm, room=2, dst_pages=[1, 2, 3])
+    sender.send([4, 5], last_chunk=True)  # 2 pages for 3 reserved
+    st, _ = until_terminal(sender)
+    assert st is KVPoll.Failed and "reserved 3" in (sender.failure_reason or "")
+    st, _ = until_terminal(recv)
+    assert st is KVPoll.Failed and "reserved 3" in (recv.failure_reason or "")
+    early.abort()
+    assert until_terminal(early)[0] is KVPoll.Failed
+
+
+def test_prefill_bootstrap_timeout(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    sender = pm.create_sender(11)
+    st, took = until_terminal(sender, timeout=3)
+    assert st is KVPoll.Failed and "bootstrap timeout" in (sender.failure_reason or "")
+    assert CFG.bootstrap_timeout_s <= took < CFG.bootstrap_timeout_s + 1
+
+
+def test_decode_abort_before_and_after_init(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    s1 = pm.create_sender(1)
+    r1 = dm.create_receiver(1, ADDR)
+    wait_for(lambda: r1.poll() is KVPoll.WaitingForInput)
+    r1.abort("client went away")
+    assert r1.poll() is KVPoll.Failed  # nothing sent yet: fails at once
+    st, took = until_terminal(s1)
+    assert st is KVPoll.Failed and "client went away" in (s1.failure_reason or "") and took < 0.5
+
+    s2, r2 = handshake(pm, dm, room=2, dst_pages=[1])
+    r2.abort("client went away")
+    st, _ = until_terminal(r2)  # fenced: Failed only after the prefill answered
+    assert st is KVPoll.Failed and "client went away" in (r2.failure_reason or "")
+    assert until_terminal(s2)[0] is KVPoll.Failed
+    s2.send([1], last_chunk=True)  # late send of a failed room is a no-op
+
+
+def test_prefill_abort_reaches_decode(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    sender, recv = handshake(pm, dm, room=5, dst_pages=[1, 2])
+    sender.abort("prefill OOM")
+    assert until_terminal(sender)[0] is KVPoll.Failed
+    st, _ = until_terminal(recv)
+    assert st is KVPoll.Failed and "prefill OOM" in (recv.failure_reason or "")
+
+
+def test_waiting_timeout_aborts_and_fences(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    sender, recv = handshake(pm, dm, room=9, dst_pages=[1])  # prefill never sends
+    st, took = until_terminal(recv, timeout=4)
+    assert st is KVPoll.Failed and "waiting timeout" in (recv.failure_reason or "")
+    assert took >= CFG.waiting_timeout_s - 0.1
+    assert until_terminal(sender)[0] is KVPoll.Failed
+
+
+def test_write_failure_fails_peer_rooms_then_recovers(cluster: Cluster) -> None:
+    pm, p = cluster.prefill()
+    dm, d = cluster.decode()
+    s1, r1 = handshake(pm, dm, room=1, dst_pages=[1])
+    s2, r2 = handshake(pm, dm, room=2, dst_pages=[2])
+    p.engine.fail_session(d.engine.session_id)
+    s1.send([3], last_chunk=True)
+    for obj in (s1, r1, s2, r2):  # room 2 is bound to the same unreachable decode
+        st, _ = until_terminal(obj)
+        assert st is KVPoll.Failed and "unreachable" in (obj.failure_reason or ""), obj.failure_reason
+    # The prefill forgot the decode; the decode re-registers after the "unregistered" answer.
+    p.engine.fail_session(d.engine.session_id, failing=False)
+    s3 = pm.create_sender(3)
+    r3 = dm.create_receiver(3, ADDR)
+    wait_for(lambda: r3.poll() is KVPoll.WaitingForInput)
+    r3.init([4], 1)
+    assert until_terminal(r3)[0] is KVPoll.Failed and "no KV args" in (r3.failure_reason or "")
+    s3.abort()
+    sender, recv = handshake(pm, dm, room=4, dst_pages=[4])
+    sender.send([5], last_chunk=True)
+    assert until_terminal(recv)[0] is KVPoll.Success
+
+
+def test_malformed_messages_are_dropped(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    ctx = zmq.Context()
+    try:
+        for endpoint in (pm.endpoint, dm.status_endpoint):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(endpoint)
+            sock.send(b"\x00not msgpack")
+            sock.send_multipart([b"two", b"frames"])
+            sock.send(msgspec.msgpack.encode({"type": "transfer_info", "room": "x"}))
+            sock.send(msgspec.msgpack.encode({"type": "status", "room": 1, "status": 4, "prefill_rank": 0}))  # unknown room
+            sock.close()
+    finally:
+        ctx.term()
+    time.sleep(0.1)
+    sender, recv = handshake(pm, dm, room=12, dst_pages=[1])
+    sender.send([1], last_chunk=True)
+    assert until_terminal(sender)[0] is KVPoll.Success and until_terminal(recv)[0] is KVPoll.Success
+
+
+def test_layout_mismatch_fails_at_lookup_with_reason(cluster: Cluster) -> None:
+    cluster.prefill()
+    other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    dm, _ = cluster.decode(make_side(other))
+    for room in (1, 2):  # the second is answered from the negative cache just as clearly
+        recv = dm.create_receiver(room, ADDR)
+        st, took = until_terminal(recv)
+        assert st is KVPoll.Failed and "head_dim" in (recv.failure_reason or "") and took < 1
+
+
+def test_aux_row_mismatch_is_reported(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode(make_side(top_k=5))
+    pm.create_sender(1)
+    recv = dm.create_receiver(1, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init([1], 0)
+    st, _ = until_terminal(recv)
+    assert st is KVPoll.Failed and "aux row bytes" in (recv.failure_reason or "")
+
+
+def test_unreachable_bootstrap(cluster: Cluster) -> None:
+    dm, _ = cluster.decode()
+    recv = dm.create_receiver(1, "127.0.0.1:9")
+    st, _ = until_terminal(recv)
+    assert st is KVPoll.Failed and "unreachable" in (recv.failure_reason or "")
+
+
+def test_prefill_death_fails_rooms_and_restart_serves(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    _, r1 = handshake(pm, dm, room=1, dst_pages=[1])  # TransferInfo out: fenced
+    s2 = pm.create_sender(2)
+    r2 = dm.create_receiver(2, ADDR)
+    wait_for(lambda: r2.poll() is KVPoll.WaitingForInput)
+    port = int(pm.endpoint.rsplit(":", 1)[1])
+    pm.close()  # the control port closes: declared dead and confirmed gone
+    for recv in (r1, r2):
+        st, took = until_terminal(recv, timeout=3)
+        assert st is KVPoll.Failed and "heartbeat" in (recv.failure_reason or "")
+        assert took <= CFG.heartbeat_bound_s + 0.5
+    del s2
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    pm2, _ = cluster.prefill()  # restarted: registers a new endpoint and instance
+    sender, recv = handshake(pm2, dm, room=3, dst_pages=[2])
+    sender.send([1], last_chunk=True)
+    assert until_terminal(recv)[0] is KVPoll.Success
+
+
+def test_hung_prefill_quarantines_pages(cluster: Cluster) -> None:
+    """A prefill that stops answering but keeps its port open may still write: hold the room."""
+    cfg = KVManagerConfig(**{**CFG.__dict__, "waiting_timeout_s": 30.0})
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode(cfg=cfg)
+    _, recv = handshake(pm, dm, room=1, dst_pages=[1])
+    pm._push.send = lambda endpoint, msg: True  # type: ignore[method-assign]  # mute, port still open
+    st, took = until_terminal(recv, timeout=5)
+    assert st is KVPoll.Failed and "heartbeat" in (recv.failure_reason or "")
+    assert took >= CFG.heartbeat_interval_s * CFG.heartbeat_max_failures + CFG.hung_peer_quarantine_s - 0.05
+
+
+def test_duplicate_room_is_rejected(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    pm.create_sender(1)
+    dm.create_receiver(1, ADDR)
+    with pytest.raises(TransferError):
+        pm.create_sender(1)
+    with pytest.raises(TransferError):
+        dm.create_receiver(1, ADDR)

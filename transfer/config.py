@@ -1,0 +1,42 @@
+"""The transfer managers' slice of configuration (built from ``common.config.TransferConfig``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import TransferConfig
+
+
+@dataclass(frozen=True)
+class KVManagerConfig:
+    bootstrap_timeout_s: float = 30.0  # a room may stay Bootstrapping this long (both roles)
+    waiting_timeout_s: float = 60.0  # decode: TransferInfo sent -> KV landed
+    heartbeat_interval_s: float = 1.0  # decode -> prefill Ping period
+    heartbeat_max_failures: int = 3  # consecutive unanswered Pings before a prefill rank is dead
+    num_workers: int = 2  # prefill transfer worker threads
+    max_batch_entries: int = 2000  # descriptors per peer per engine call
+    # A dead-declared prefill whose control port still accepts connections may be hung, not gone:
+    # its rooms are held (pages not reported free) this long before they fail.
+    hung_peer_quarantine_s: float = 10.0
+    tick_s: float = 0.05  # background loops wake at least this often to check timers and close()
+
+    def __post_init__(self) -> None:
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "tick_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVManagerConfig.{name} must be > 0")
+        if self.heartbeat_max_failures < 1 or self.num_workers < 1 or self.max_batch_entries < 1:
+            raise ValueError("KVManagerConfig: heartbeat_max_failures, num_workers, max_batch_entries must be >= 1")
+        if self.hung_peer_quarantine_s < 0:
+            raise ValueError("KVManagerConfig.hung_peer_quarantine_s must be >= 0")
+
+    @property
+    def heartbeat_bound_s(self) -> float:
+        """Worst-case time from a prefill's death to its rooms failing on the decode."""
+        return self.heartbeat_interval_s * (self.heartbeat_max_failures + 1)
+
+    @classmethod
+    def from_transfer_config(cls, tc: TransferConfig, **overrides: float) -> KVManagerConfig:
+        return cls(
+            bootstrap_timeout_s=tc.bootstrap_timeout_s, waiting_timeout_s=tc.waiting_timeout_s,
+            heartbeat_interval_s=tc.heartbeat_interval_s, heartbeat_max_failures=tc.heartbeat_max_failures,
+            num_workers=tc.num_workers, **overrides,  # type: ignore[arg-type]
+        )

@@ -1,0 +1,394 @@
+"""Decode side: ``DecodeKVManager`` (one per scheduler process) and ``DecodeKVReceiver`` (per room).
+
+Threads (all daemons, joined by ``close()``)::
+
+    connect thread    rooms to resolve: bootstrap lookup (cached per prefill rank), layout check,
+                      KVArgsRegister once per prefill rank
+    status thread     PULL <- prefill: TransferStatus | Pong
+    heartbeat thread  Ping every prefill rank each interval; declare dead after N misses;
+                      room timers (bootstrap, waiting, fence deadlines)
+
+Room lifecycle on this side::
+
+    create_receiver(room, addr)   Bootstrapping     (connect thread resolves the prefill rank)
+    resolved + registered         WaitingForInput   (scheduler may reserve pages, then init())
+    init(): TransferInfo sent     Transferring
+    TransferStatus(Success)       Success           (KV and aux row have landed)
+    failure                       Failed
+
+Fence: once TransferInfo is out, the prefill may write into the room's pages, so this side
+reports Failed only when no write can land any more: the prefill said Failed (it says so only
+after its in-flight writes returned), or it was declared dead and its control port refuses
+connections (the process is gone). A local abort or the waiting timeout sends AbortRoom and
+waits for that answer. A dead-declared rank whose port still accepts (hung, or host
+unreachable) keeps its rooms' pages quarantined for ``hung_peer_quarantine_s`` first.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+from bootstrap_server.schema import DecodeLayout, check_receivable
+
+from transfer import messages as m
+from transfer import wire
+from transfer.args import KVArgs
+from transfer.base import BootstrapClient, DataPlane, KVReceiver
+from transfer.config import KVManagerConfig
+from transfer.errors import TransferError
+from transfer.peers import Peer, port_closed
+from transfer.poll import KVPoll, can_advance
+from transfer.zmq_io import PushSockets, bind_pull, serve_pull
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    room: int
+    bootstrap_addr: str
+    created: float
+    status: KVPoll = KVPoll.Bootstrapping
+    reason: str | None = None
+    endpoint: str | None = None  # the prefill rank, once resolved
+    info_sent_at: float | None = None  # TransferInfo queued: the prefill may write from now on
+    pending_fail: str | None = None  # failure decided, waiting for the fence
+    fence_deadline: float = field(default=float("inf"))
+
+
+class DecodeKVManager:
+    def __init__(
+        self,
+        args: KVArgs,
+        engine: DataPlane,
+        bootstrap: BootstrapClient,
+        config: KVManagerConfig = KVManagerConfig(),
+    ) -> None:
+        self.args, self.engine, self.config = args, engine, config
+        self._bootstrap = bootstrap
+        self.instance_id = uuid.uuid4().hex
+        self._decode_layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name)
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._peers: dict[str, Peer] = {}  # prefill control endpoint -> peer
+        self._routes: dict[tuple[str, int], str] = {}  # (bootstrap addr, dp group) -> endpoint
+        self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
+        self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
+        self._stop = threading.Event()
+        self._todo: queue.Queue[int | None] = queue.Queue()
+        self._ctx = zmq.Context()
+        self._push = PushSockets(self._ctx)
+        self._pull, port = bind_pull(self._ctx, args.host)
+        self.status_endpoint = f"tcp://{args.host}:{port}"
+        try:
+            for ptr, nbytes in args.all_buffers():
+                engine.register(ptr, nbytes)
+        except Exception as exc:
+            self._pull.close(linger=0)
+            self._push.close()
+            self._ctx.term()
+            raise TransferError(f"decode transfer manager failed to start: {exc}") from exc
+        self._threads = [
+            threading.Thread(target=self._connect_loop, name="pdc-decode-connect", daemon=True),
+            threading.Thread(
+                target=serve_pull, name="pdc-decode-status", daemon=True,
+                args=(self._pull, m.decode_to_decode, self._handle, lambda: None, self._stop, config.tick_s, "decode status"),
+            ),
+            threading.Thread(target=self._heartbeat_loop, name="pdc-decode-heartbeat", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info("decode KV manager up: status %s, data %s", self.status_endpoint, engine.session_id)
+
+    # --- scheduler-facing ----------------------------------------------------------------------
+    def create_receiver(self, room: int, bootstrap_addr: str) -> DecodeKVReceiver:
+        """``bootstrap_addr``: the prefill node's bootstrap server, "host:port"."""
+        with self._lock:
+            if room in self._rooms:
+                raise TransferError("room is already in flight on this decode rank", room)
+            self._rooms[room] = _Room(room, bootstrap_addr, time.monotonic())
+        self._todo.put(room)
+        return DecodeKVReceiver(self, room)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._todo.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self._push.close()
+        self._ctx.term()
+        self.engine.close()
+
+    def num_rooms(self) -> int:
+        return len(self._rooms)
+
+    # --- connect thread ------------------------------------------------------------------------
+    def _connect_loop(self) -> None:
+        while True:
+            room = self._todo.get()
+            if room is None:
+                return
+            try:
+                self._connect(room)
+            except Exception as exc:  # the thread outlives any one room
+                log.exception("connect: room %d", room)
+                self._fail(room, f"connecting to the prefill failed: {exc!r}")
+
+    def _connect(self, room: int) -> None:
+        r = self._rooms.get(room)
+        if r is None or r.status is not KVPoll.Bootstrapping:
+            return
+        addr = r.bootstrap_addr
+        try:
+            peer = self._resolve(addr, room)
+        except Exception as exc:  # BootstrapError (unreachable, not registered, layout) or bad data
+            reason = f"bootstrap {addr}: {exc}"
+            with self._lock:
+                self._negative[addr] = (time.monotonic() + self.config.heartbeat_interval_s, reason)
+            return self._fail(room, reason)
+        send_register = False
+        with self._lock:
+            if self._peers.get(peer.endpoint) is not peer:
+                return self._finalize_locked(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
+            if not peer.registered:
+                peer.registered = send_register = True
+            r.endpoint = peer.endpoint
+        if send_register and not self._push.send(peer.endpoint, wire.register_message(self.args, self.engine.session_id, self.instance_id, self.status_endpoint)):
+            return self._fail(room, f"could not queue KV args for prefill {peer.endpoint}")
+        with self._lock:
+            if can_advance(r.status, KVPoll.WaitingForInput) and r.pending_fail is None:
+                r.status = KVPoll.WaitingForInput
+
+    def _resolve(self, addr: str, room: int) -> Peer:
+        """The prefill rank serving ``room`` (cached); raises when it cannot be found or received."""
+        with self._lock:
+            neg = self._negative.get(addr)
+            if neg is not None and neg[0] > time.monotonic():
+                raise TransferError(neg[1] + " (cached)")
+            dp_size = self._dp_sizes.get(addr)
+        if dp_size is None:
+            layout = self._bootstrap.lookup_layout(addr)
+            check_receivable(layout, self._decode_layout)  # LayoutMismatch names every bad field
+            dp_size = layout.dp_size
+            with self._lock:
+                self._dp_sizes[addr] = dp_size
+        key = (addr, room % dp_size)
+        with self._lock:
+            endpoint = self._routes.get(key)
+            if endpoint is not None and endpoint in self._peers:
+                return self._peers[endpoint]
+        info = self._bootstrap.lookup_rank(addr, self.args.tp_rank, key[1])
+        with self._lock:
+            peer = self._peers.get(info.endpoint)
+            if peer is None or peer.info.instance_id != info.instance_id:
+                peer = self._peers[info.endpoint] = Peer(addr, info)
+            self._routes[key] = info.endpoint
+            return peer
+
+    # --- status thread -------------------------------------------------------------------------
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, m.TransferStatus):
+            self._on_status(msg)
+        elif isinstance(msg, m.Pong):
+            self._on_pong(msg)
+
+    def _on_status(self, msg: m.TransferStatus) -> None:
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            if r is None or r.status.terminal:
+                log.debug("status for unknown or finished room %d dropped", msg.room)
+                return
+            if msg.unregistered and r.endpoint in self._peers:
+                self._peers[r.endpoint].registered = False  # the next room registers again
+            if r.pending_fail is not None:  # any answer ends the fence: nothing is in flight
+                self._finalize_locked(r, KVPoll.Failed, r.pending_fail)
+            elif msg.status == KVPoll.Success and r.info_sent_at is not None:
+                self._finalize_locked(r, KVPoll.Success, None)
+            else:
+                self._finalize_locked(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+
+    def _on_pong(self, msg: m.Pong) -> None:
+        with self._lock:
+            peer = self._peers.get(msg.endpoint)
+            if peer is None:
+                return
+            if peer.info.instance_id is not None and msg.instance_id != peer.info.instance_id:
+                restarted = peer
+            else:
+                peer.acked_seq = max(peer.acked_seq, msg.seq)
+                return
+        # A new process answers on the old endpoint: the old one released the port, it is gone.
+        self._declare_dead(restarted, "prefill restarted", confirmed_gone=True)
+
+    # --- heartbeat thread ----------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.wait(self.config.tick_s):
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.config.heartbeat_interval_s
+                    self._heartbeat()
+                self._timers(time.monotonic())
+            except Exception:
+                log.exception("heartbeat pass failed")
+
+    def _heartbeat(self) -> None:
+        dead: list[Peer] = []
+        pings: list[tuple[str, int]] = []
+        with self._lock:
+            for peer in self._peers.values():
+                seq = peer.heartbeat_tick()
+                if peer.misses >= self.config.heartbeat_max_failures:
+                    dead.append(peer)
+                else:
+                    pings.append((peer.endpoint, seq))
+        for endpoint, seq in pings:
+            self._push.send(endpoint, m.Ping(seq=seq, status_endpoint=self.status_endpoint))
+        for peer in dead:
+            self._declare_dead(peer, f"prefill {peer.endpoint} missed {peer.misses} heartbeats", confirmed_gone=None)
+
+    def _declare_dead(self, peer: Peer, reason: str, confirmed_gone: bool | None) -> None:
+        """Forget the peer (cache, routes, socket) and fail its rooms behind the fence."""
+        with self._lock:
+            if self._peers.get(peer.endpoint) is not peer:
+                return
+            del self._peers[peer.endpoint]
+            for key in [k for k, e in self._routes.items() if e == peer.endpoint]:
+                del self._routes[key]
+            self._dp_sizes.pop(peer.bootstrap_addr, None)
+        self._push.purge(peer.endpoint)
+        if confirmed_gone is None:
+            confirmed_gone = port_closed(peer.info.rank_ip, peer.info.rank_port)
+        log.warning("%s; declared dead (%s)", reason, "gone" if confirmed_gone else "may be hung: quarantining its rooms")
+        now = time.monotonic()
+        with self._lock:
+            for r in self._rooms.values():
+                if r.endpoint != peer.endpoint or r.status.terminal:
+                    continue
+                if r.info_sent_at is None or confirmed_gone:
+                    self._finalize_locked(r, KVPoll.Failed, r.pending_fail or reason)
+                else:
+                    r.pending_fail = r.pending_fail or reason
+                    r.fence_deadline = min(r.fence_deadline, now + self.config.hung_peer_quarantine_s)
+
+    def _timers(self, now: float) -> None:
+        cfg = self.config
+        aborts: list[tuple[_Room, str]] = []
+        with self._lock:
+            for r in list(self._rooms.values()):
+                if r.status.terminal:
+                    continue
+                if r.pending_fail is not None:
+                    if now >= r.fence_deadline:
+                        log.error("room %d: no answer from prefill %s; failing it after the fence deadline", r.room, r.endpoint)
+                        self._finalize_locked(r, KVPoll.Failed, r.pending_fail)
+                elif r.info_sent_at is None and now - r.created > cfg.bootstrap_timeout_s:
+                    what = "reach the prefill" if r.status is KVPoll.Bootstrapping else "reserve memory"
+                    self._finalize_locked(r, KVPoll.Failed, f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)")
+                elif r.info_sent_at is not None and now - r.info_sent_at > cfg.waiting_timeout_s:
+                    reason = f"KV did not arrive within {cfg.waiting_timeout_s:g}s (waiting timeout)"
+                    aborts.append((r, self._begin_abort_locked(r, reason)))
+        for r, reason in aborts:
+            self._send_abort(r, reason)
+
+    # --- room state ----------------------------------------------------------------------------
+    def _finalize_locked(self, r: _Room, status: KVPoll, reason: str | None) -> None:
+        if can_advance(r.status, status):
+            r.status, r.reason = status, reason
+            if status is KVPoll.Failed:
+                log.warning("room %d failed: %s", r.room, reason)
+
+    def _fail(self, room: int, reason: str) -> None:
+        """Fail a room that has not sent its TransferInfo (nothing can be written into it)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None and r.info_sent_at is None:
+                self._finalize_locked(r, KVPoll.Failed, reason)
+
+    def _begin_abort_locked(self, r: _Room, reason: str) -> str:
+        r.pending_fail = reason
+        r.fence_deadline = time.monotonic() + self.config.heartbeat_bound_s + self.config.hung_peer_quarantine_s
+        return reason
+
+    def _send_abort(self, r: _Room, reason: str) -> None:
+        if r.endpoint is not None:
+            self._push.send(r.endpoint, m.AbortRoom(
+                room=r.room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))
+
+    # --- receiver-facing -----------------------------------------------------------------------
+    def _init(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int]) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.status.terminal or r.pending_fail is not None:
+                return  # failed meanwhile: the caller sees it at its next poll
+            if r.status is not KVPoll.WaitingForInput or r.endpoint is None:
+                raise TransferError(f"init() in state {r.status.name}; wait for WaitingForInput", room)
+            info = m.TransferInfo(
+                room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
+                status_endpoint=self.status_endpoint, dst_pages=[int(p) for p in pages],
+                aux_slot=aux_slot, state_slots=[int(s) for s in state],
+            )
+            r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
+            endpoint = r.endpoint
+        if not self._push.send(endpoint, info):
+            # Not queued, so never delivered: nothing can be written into the pages.
+            with self._lock:
+                r.info_sent_at = None
+                self._finalize_locked(r, KVPoll.Failed, f"could not queue TransferInfo for prefill {endpoint}")
+
+    def _abort(self, room: int, reason: str) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.status.terminal or r.pending_fail is not None:
+                return
+            if r.info_sent_at is None:
+                self._finalize_locked(r, KVPoll.Failed, reason)
+            else:
+                self._begin_abort_locked(r, reason)
+        # Also when nothing was sent yet: the prefill's sender then fails now, not at its timeout.
+        self._send_abort(r, reason)
+
+    def _release(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+
+class DecodeKVReceiver(KVReceiver):
+    def __init__(self, mgr: DecodeKVManager, room: int) -> None:
+        self._mgr, self.room = mgr, room
+        self._final: KVPoll | None = None
+        self._reason: str | None = None
+
+    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
+        self._mgr._init(self.room, page_indices, aux_slot, state_indices)
+
+    def poll(self) -> KVPoll:
+        if self._final is not None:
+            return self._final
+        r = self._mgr._rooms.get(self.room)
+        if r is None:
+            return KVPoll.Failed
+        status = r.status
+        if status.terminal:
+            self._final, self._reason = status, r.reason
+            self._mgr._release(self.room)
+        return status
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self._mgr._abort(self.room, reason)
+
+    @property
+    def failure_reason(self) -> str | None:
+        if self._final is not None:
+            return self._reason
+        r = self._mgr._rooms.get(self.room)
+        return r.reason if r is not None and r.status is KVPoll.Failed else None

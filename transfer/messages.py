@@ -1,0 +1,103 @@
+"""Every control-plane message of the transfer layer (ZMQ, msgpack, tagged msgspec structs).
+
+Two channels, each one single-frame msgpack message per ZMQ message:
+
+    decode PUSH --> prefill PULL   ToPrefill = KVArgsRegister | TransferInfo | AbortRoom | Ping
+    prefill PUSH --> decode PULL   ToDecode  = TransferStatus | Pong
+
+``KVArgsRegister`` is sent once per (decode rank, prefill rank) pair and cached by the prefill under
+the decode's data-plane ``session_id``; every later message names that session. Unknown fields are
+ignored so a newer peer can add fields without breaking an older one.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class KVArgsRegister(msgspec.Struct, tag="kv_args", kw_only=True):
+    """Where a decode rank's buffers live (its data-plane address space), sent once per peer."""
+
+    session_id: str  # data-plane session of the decode engine, e.g. "host:rpc_port"
+    instance_id: str  # unique per decode manager instance: a restart is a new instance
+    status_endpoint: str  # tcp://host:port of the decode's status PULL socket
+    tp_rank: int
+    tp_size: int
+    page_size: int
+    kv_ptrs: list[int]  # one per buffer, transfer order (K layers, then V layers)
+    kv_nbytes: list[int]
+    kv_item_nbytes: list[int]  # bytes of one page in each buffer
+    aux_ptrs: list[int]
+    aux_nbytes: list[int]
+    aux_item_nbytes: list[int]  # bytes of one aux row
+    state_ptrs: list[int] = []
+    state_nbytes: list[int] = []
+    state_item_nbytes: list[int] = []
+
+
+class TransferInfo(msgspec.Struct, tag="transfer_info", kw_only=True):
+    """Where one room's KV must land on one decode rank."""
+
+    room: int
+    session_id: str
+    instance_id: str
+    status_endpoint: str
+    dst_pages: list[int]  # the room's decode pages, in token order
+    aux_slot: int | None
+    state_slots: list[int] = []
+    required_dst_info_num: int = 1  # decode ranks the prefill must hear from before sending
+
+
+class AbortRoom(msgspec.Struct, tag="abort", kw_only=True):
+    """The decode gave up on a room; the prefill answers with a fenced TransferStatus(Failed)."""
+
+    room: int
+    session_id: str
+    status_endpoint: str
+    reason: str
+
+
+class Ping(msgspec.Struct, tag="ping", kw_only=True):
+    """Decode -> prefill heartbeat; answered by Pong on the status channel."""
+
+    seq: int
+    status_endpoint: str
+
+
+class TransferStatus(msgspec.Struct, tag="status", kw_only=True):
+    """Prefill -> decode: a room's terminal outcome on one prefill rank."""
+
+    room: int
+    status: int  # KVPoll value: Success or Failed
+    prefill_rank: int
+    reason: str | None = None
+    unregistered: bool = False  # the prefill has no KV args for the session: register again
+
+
+class Pong(msgspec.Struct, tag="pong", kw_only=True):
+    seq: int
+    endpoint: str  # the prefill control endpoint the Ping was sent to
+    instance_id: str  # changes when the prefill restarts
+
+
+ToPrefill = Union[KVArgsRegister, TransferInfo, AbortRoom, Ping]
+ToDecode = Union[TransferStatus, Pong]
+
+_encoder = msgspec.msgpack.Encoder()
+_to_prefill = msgspec.msgpack.Decoder(ToPrefill)
+_to_decode = msgspec.msgpack.Decoder(ToDecode)
+
+
+def encode(msg: ToPrefill | ToDecode) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_prefill(data: bytes) -> ToPrefill:
+    """Raises msgspec.DecodeError / msgspec.ValidationError on a malformed message."""
+    return _to_prefill.decode(data)
+
+
+def decode_to_decode(data: bytes) -> ToDecode:
+    """Raises msgspec.DecodeError / msgspec.ValidationError on a malformed message."""
+    return _to_decode.decode(data)

@@ -1,0 +1,377 @@
+"""Prefill side: ``PrefillKVManager`` (one per scheduler process) and ``PrefillKVSender`` (per room).
+
+Threads (all daemons, joined by ``close()``)::
+
+    bootstrap thread   PULL <- decode: KVArgsRegister | TransferInfo | AbortRoom | Ping
+                       + timers: Bootstrapping rooms, orphan TransferInfos, tombstones
+    transfer workers   queue <- send() chunks; room r always goes to worker r % N (chunk order)
+
+Room lifecycle on this side::
+
+    create_sender(room)       Bootstrapping
+    TransferInfo(s) arrive    WaitingForInput    (may arrive before the sender exists: kept)
+    send(first chunk)         Transferring
+    last chunk written        Success   -> TransferStatus(Success) to the decode
+    any failure               Failed    -> TransferStatus(Failed) to the decode, sent (and shown
+                                           by poll) only once no write for the room is in flight
+
+Fence: a worker checks the room before every engine batch, and ``poll()`` keeps a failed room
+at Transferring while a batch is in flight, so the decode frees its pages, and we ours, only
+after our last write to them returned.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from transfer import messages as m
+from transfer import wire
+from transfer.args import KVArgs
+from transfer.aux import AuxPool, AuxRecord
+from transfer.base import BootstrapClient, DataPlane, KVSender
+from transfer.config import KVManagerConfig
+from transfer.errors import TransferError
+from transfer.poll import KVPoll, can_advance
+from transfer.worker import Chunk, Target, TransferWorker
+from transfer.zmq_io import PushSockets, bind_pull, serve_pull
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    room: int
+    created: float
+    status: KVPoll = KVPoll.Bootstrapping
+    reason: str | None = None
+    infos: dict[str, m.TransferInfo] = field(default_factory=dict)  # by decode session
+    inflight: int = 0  # chunks a worker is writing right now
+    pages_queued: int = 0
+    last_queued: bool = False
+    failure_sent: bool = False
+
+
+class PrefillKVManager:
+    def __init__(
+        self,
+        args: KVArgs,
+        engine: DataPlane,
+        bootstrap: BootstrapClient,
+        bootstrap_addr: str,
+        config: KVManagerConfig = KVManagerConfig(),
+    ) -> None:
+        self.args, self.engine, self.config = args, engine, config
+        self.instance_id = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._orphans: dict[int, tuple[float, dict[str, m.TransferInfo]]] = {}  # infos before their sender
+        self._tombstones: dict[int, tuple[float, str]] = {}  # room -> (expiry, reason)
+        self._peers: dict[str, m.KVArgsRegister] = {}  # decode session -> its buffers
+        self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._push = PushSockets(self._ctx)
+        self._pull, port = bind_pull(self._ctx, args.host)
+        self.endpoint = f"tcp://{args.host}:{port}"
+        # One staging aux row per worker: a worker copies the room's record there, then writes it.
+        self._staging = AuxPool(config.num_workers, top_k=args.aux_top_k)
+        self._threads: list[threading.Thread] = []
+        try:
+            staging = self._staging.buffers()
+            for ptr, nbytes in [*args.all_buffers(), *zip(staging.ptrs, staging.nbytes)]:
+                engine.register(ptr, nbytes)
+            self._workers = [TransferWorker(i, self, engine, self._staging, config.max_batch_entries) for i in range(config.num_workers)]
+            self.rank_info = wire.rank_info(args, port, self.instance_id, engine)
+            bootstrap.register_rank(bootstrap_addr, self.rank_info)
+        except Exception as exc:
+            self._pull.close(linger=0)
+            self._push.close()
+            self._ctx.term()
+            raise TransferError(f"prefill transfer manager failed to start: {exc}") from exc
+        boot = threading.Thread(
+            target=serve_pull, name="pdc-prefill-bootstrap", daemon=True,
+            args=(self._pull, m.decode_to_prefill, self._handle, self._on_tick, self._stop, config.tick_s, "prefill bootstrap"),
+        )
+        self._threads = [boot, *(w.thread for w in self._workers)]
+        for t in self._threads:
+            t.start()
+        log.info("prefill KV manager up: control %s, data %s", self.endpoint, engine.session_id)
+
+    # --- scheduler-facing ----------------------------------------------------------------------
+    def create_sender(self, room: int) -> PrefillKVSender:
+        now = time.monotonic()
+        with self._lock:
+            if room in self._rooms:
+                raise TransferError("room is already in flight on this prefill rank", room)
+            r = self._rooms[room] = _Room(room, now)
+            tomb = self._tombstones.pop(room, None)
+            if tomb is not None:
+                self._fail_locked(r, tomb[1])
+            orphan = self._orphans.pop(room, None)
+            if orphan is not None:
+                for info in orphan[1].values():
+                    self._add_info_locked(r, info)
+        return PrefillKVSender(self, room)
+
+    def close(self) -> None:
+        """Stop threads, close sockets, release the engine (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for w in self._workers:
+            w.stop()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._push.close()
+        self._ctx.term()
+        self.engine.close()
+
+    def num_rooms(self) -> int:
+        return len(self._rooms)
+
+    # --- bootstrap thread ----------------------------------------------------------------------
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, m.KVArgsRegister):
+            self._on_register(msg)
+        elif isinstance(msg, m.TransferInfo):
+            self._on_info(msg)
+        elif isinstance(msg, m.AbortRoom):
+            self._on_abort(msg)
+        elif isinstance(msg, m.Ping):
+            self._push.send(msg.status_endpoint, m.Pong(seq=msg.seq, endpoint=self.endpoint, instance_id=self.instance_id))
+
+    def _on_register(self, msg: m.KVArgsRegister) -> None:
+        reason = wire.peer_mismatch(self.args, msg)
+        with self._lock:
+            old = self._peers.get(msg.session_id)
+            if old is not None and old.instance_id != msg.instance_id:
+                self._fail_session_locked(msg.session_id, "decode restarted with the same session id")
+            if reason is not None:
+                self._peers.pop(msg.session_id, None)
+                self._rejected[msg.session_id] = reason
+            else:
+                self._peers[msg.session_id] = msg
+                self._rejected.pop(msg.session_id, None)
+        if reason is not None:
+            log.error("rejecting KV args from decode %s: %s", msg.session_id, reason)
+        else:
+            log.info("decode %s registered (rank %d, %d KV buffers)", msg.session_id, msg.tp_rank, len(msg.kv_ptrs))
+
+    def _on_info(self, info: m.TransferInfo) -> None:
+        with self._lock:
+            peer = self._peers.get(info.session_id)
+            unregistered = peer is None or peer.instance_id != info.instance_id
+            if unregistered:
+                rejected = self._rejected.get(info.session_id)
+                reason = f"prefill refused this decode's KV args: {rejected}" if rejected else "prefill has no KV args for this decode session"
+                unregistered = rejected is None  # registering again would not help a rejected layout
+            else:
+                reason = wire.bad_destination(peer, info)
+            r = self._rooms.get(info.room)
+            if r is None:
+                tomb = self._tombstones.get(info.room)
+                if reason is None and tomb is None:  # the request has not reached this rank yet
+                    _, infos = self._orphans.setdefault(info.room, (time.monotonic(), {}))
+                    infos[info.session_id] = info
+                    return
+                if tomb is None:  # remember the failure for a sender created later
+                    self._tombstones[info.room] = (time.monotonic() + self.config.bootstrap_timeout_s, reason or "")
+                reason = reason or tomb[1]
+            elif unregistered:
+                # Nothing can be written for this session; the answer tells the decode to register again.
+                self._fail_locked(r, reason or "")
+            else:
+                already_told = r.status is KVPoll.Failed and r.failure_sent
+                r.infos[info.session_id] = info  # a failure is then reported to this decode too
+                if reason is None:
+                    self._add_info_locked(r, info)
+                else:
+                    self._fail_locked(r, reason)
+                if not already_told:
+                    return
+                reason = r.reason
+        # Nothing was or will be written for this room: answer the decode directly.
+        self._push.send(info.status_endpoint, m.TransferStatus(
+            room=info.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=reason,
+            unregistered=unregistered))
+
+    def _on_abort(self, msg: m.AbortRoom) -> None:
+        reason = f"aborted by decode: {msg.reason}"
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            if r is not None:
+                if r.status is KVPoll.Success:
+                    return  # the decode has (or will get) our Success, which also ends its abort
+                already_told = r.status is KVPoll.Failed and r.failure_sent
+                if msg.session_id not in r.infos:
+                    # The decode aborted before its TransferInfo arrived: still owe it an answer.
+                    r.infos[msg.session_id] = wire.stub_info(msg)
+                self._fail_locked(r, reason)
+                if not already_told:
+                    return
+                reason = r.reason or reason
+            else:
+                self._orphans.pop(msg.room, None)
+                self._tombstones[msg.room] = (time.monotonic() + self.config.bootstrap_timeout_s, reason)
+        self._push.send(msg.status_endpoint, m.TransferStatus(
+            room=msg.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=reason))
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        timeout = self.config.bootstrap_timeout_s
+        expired: list[tuple[int, m.TransferInfo]] = []
+        with self._lock:
+            for r in list(self._rooms.values()):
+                if r.status is KVPoll.Bootstrapping and now - r.created > timeout:
+                    self._fail_locked(r, f"no TransferInfo from the decode within {timeout:g}s (bootstrap timeout)")
+            for room, (since, infos) in list(self._orphans.items()):
+                if now - since > timeout:
+                    del self._orphans[room]
+                    expired.extend((room, i) for i in infos.values())
+            for room, (expiry, _) in list(self._tombstones.items()):
+                if now > expiry:
+                    del self._tombstones[room]
+        for room, info in expired:
+            self._push.send(info.status_endpoint, m.TransferStatus(
+                room=room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank,
+                reason=f"prefill rank never received request for room {room} within {timeout:g}s"))
+
+    # --- room state (callers hold self._lock) --------------------------------------------------
+    def _add_info_locked(self, r: _Room, info: m.TransferInfo) -> None:
+        r.infos[info.session_id] = info
+        if len(r.infos) >= info.required_dst_info_num and can_advance(r.status, KVPoll.WaitingForInput):
+            r.status = KVPoll.WaitingForInput
+
+    def _fail_locked(self, r: _Room, reason: str) -> None:
+        if not can_advance(r.status, KVPoll.Failed):
+            return
+        r.status, r.reason = KVPoll.Failed, reason
+        log.warning("room %d failed: %s", r.room, reason)
+        self._notify_failure_locked(r)
+
+    def _notify_failure_locked(self, r: _Room) -> None:
+        """Tell each decode of a failed room, once, and only when no write to it is in flight."""
+        if r.status is not KVPoll.Failed or r.inflight > 0 or r.failure_sent:
+            return
+        r.failure_sent = True
+        for info in r.infos.values():
+            self._push.send(info.status_endpoint, m.TransferStatus(
+                room=r.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=r.reason))
+
+    def _fail_session_locked(self, session: str, reason: str) -> None:
+        for r in self._rooms.values():
+            if session in r.infos:
+                self._fail_locked(r, reason)
+
+    # --- sender-facing -------------------------------------------------------------------------
+    def _queue_chunk(self, room: int, pages: Sequence[int], last: bool, aux: AuxRecord | None, state: Sequence[int]) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.status.terminal:
+                return  # already failed (or finished): the chunk is moot
+            if r.status is KVPoll.Bootstrapping:
+                raise TransferError("send() before the room reached WaitingForInput", room)
+            n_dst = min(len(i.dst_pages) for i in r.infos.values())
+            end = r.pages_queued + len(pages)
+            if r.last_queued:
+                return self._fail_locked(r, "send() after the last chunk")
+            if end > n_dst or (last and end != n_dst):
+                return self._fail_locked(r, f"prefill sends {end} pages but the decode reserved {n_dst}")
+            chunk = Chunk(room, list(pages), r.pages_queued, last, aux, list(state))
+            r.pages_queued, r.last_queued, r.status = end, last, KVPoll.Transferring
+        self._workers[room % len(self._workers)].put(chunk)
+
+    def _abort(self, room: int, reason: str) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None:
+                self._fail_locked(r, reason)
+
+    def _release(self, room: int) -> None:
+        """The scheduler saw a terminal state: forget the room (late messages get a tombstone)."""
+        with self._lock:
+            r = self._rooms.pop(room, None)
+            if r is not None and r.status is KVPoll.Failed:
+                self._tombstones[room] = (time.monotonic() + self.config.bootstrap_timeout_s, r.reason or "failed")
+
+    # --- worker-facing (see transfer.worker) ---------------------------------------------------
+    def begin_chunk(self, chunk: Chunk) -> list[Target] | None:
+        """Pin the room for a chunk; None when it failed meanwhile (nothing to write)."""
+        with self._lock:
+            r = self._rooms.get(chunk.room)
+            if r is None or r.status is not KVPoll.Transferring:
+                return None
+            targets = []
+            for info in r.infos.values():
+                peer = self._peers.get(info.session_id)
+                if peer is None or peer.instance_id != info.instance_id:
+                    self._fail_locked(r, f"decode {info.session_id} is gone")
+                    return None
+                targets.append(Target(info, peer))
+            r.inflight += 1
+            return targets
+
+    def room_failed(self, room: int) -> bool:
+        r = self._rooms.get(room)
+        return r is None or r.status is KVPoll.Failed
+
+    def end_chunk(self, chunk: Chunk, error: str | None, dead_session: str | None) -> None:
+        peer = None
+        with self._lock:
+            r = self._rooms[chunk.room]  # pinned by begin_chunk: only _release removes it, after poll saw terminal
+            r.inflight -= 1
+            if error is not None:
+                self._fail_locked(r, error)
+            elif chunk.last and r.status is KVPoll.Transferring:
+                r.status = KVPoll.Success
+                for info in r.infos.values():
+                    self._push.send(info.status_endpoint, m.TransferStatus(
+                        room=r.room, status=int(KVPoll.Success), prefill_rank=self.args.tp_rank))
+            self._notify_failure_locked(r)
+            if dead_session is not None:
+                peer = self._peers.pop(dead_session, None)
+                self._fail_session_locked(dead_session, error or f"decode {dead_session} unreachable")
+        if dead_session is not None and peer is not None:
+            # Forget the peer: a restarted decode registers again under a new session.
+            self._push.purge(peer.status_endpoint)
+
+
+class PrefillKVSender(KVSender):
+    def __init__(self, mgr: PrefillKVManager, room: int) -> None:
+        self._mgr, self.room = mgr, room
+        self._final: KVPoll | None = None
+        self._reason: str | None = None
+
+    def send(self, page_indices: Sequence[int], last_chunk: bool, aux: AuxRecord | None = None,
+             state_indices: Sequence[int] = ()) -> None:
+        self._mgr._queue_chunk(self.room, page_indices, last_chunk, aux, state_indices)
+
+    def poll(self) -> KVPoll:
+        if self._final is not None:
+            return self._final
+        r = self._mgr._rooms.get(self.room)
+        if r is None:  # only after _release, which happens after _final is set
+            return self._final or KVPoll.Failed
+        status = r.status
+        if status is KVPoll.Failed and r.inflight > 0:
+            return KVPoll.Transferring  # fenced: a write for this room has not returned yet
+        if status.terminal:
+            self._final, self._reason = status, r.reason
+            self._mgr._release(self.room)
+        return status
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._mgr._abort(self.room, reason)
+
+    @property
+    def failure_reason(self) -> str | None:
+        if self._final is not None:
+            return self._reason
+        r = self._mgr._rooms.get(self.room)
+        return r.reason if r is not None and r.status is KVPoll.Failed else None

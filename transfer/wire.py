@@ -1,0 +1,65 @@
+"""Between local plain data and the wire: registry records, KV-args messages, checks on a peer's data."""
+from __future__ import annotations
+
+from bootstrap_server.schema import RankInfo
+
+from transfer import messages as m
+from transfer.args import KVArgs
+from transfer.base import DataPlane
+
+
+def register_message(args: KVArgs, session_id: str, instance_id: str, status_endpoint: str) -> m.KVArgsRegister:
+    """The decode's one-time description of its buffers for a prefill rank."""
+    return m.KVArgsRegister(
+        session_id=session_id, instance_id=instance_id, status_endpoint=status_endpoint,
+        tp_rank=args.tp_rank, tp_size=args.tp_size, page_size=args.layout.page_size,
+        kv_ptrs=list(args.kv.ptrs), kv_nbytes=list(args.kv.nbytes), kv_item_nbytes=list(args.kv.item_nbytes),
+        aux_ptrs=list(args.aux.ptrs), aux_nbytes=list(args.aux.nbytes), aux_item_nbytes=list(args.aux.item_nbytes),
+        state_ptrs=list(args.state.ptrs), state_nbytes=list(args.state.nbytes),
+        state_item_nbytes=list(args.state.item_nbytes),
+    )
+
+
+def rank_info(args: KVArgs, port: int, instance_id: str, engine: DataPlane) -> RankInfo:
+    lay = args.layout
+    return RankInfo(
+        rank_ip=args.host, rank_port=port, engine_rank=args.tp_rank, tp_size=args.tp_size, dp_size=args.dp_size,
+        dp_group=args.dp_rank, pp_size=1, pp_rank=0, page_size=lay.page_size, kv_dtype=lay.dtype,  # type: ignore[arg-type]
+        num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+        transfer_backend=engine.name, session_id=engine.session_id, instance_id=instance_id,
+    )
+
+
+def peer_mismatch(args: KVArgs, peer: m.KVArgsRegister) -> str | None:
+    if peer.page_size != args.layout.page_size:
+        return f"page_size {peer.page_size} != {args.layout.page_size}"
+    if list(peer.kv_item_nbytes) != list(args.kv.item_nbytes):
+        return f"KV page bytes per buffer {peer.kv_item_nbytes[:2]}.. != {list(args.kv.item_nbytes)[:2]}.."
+    if list(peer.aux_item_nbytes) != list(args.aux.item_nbytes):
+        return f"aux row bytes {peer.aux_item_nbytes} != {list(args.aux.item_nbytes)}"
+    if list(peer.state_item_nbytes) != list(args.state.item_nbytes):
+        return f"state item bytes {peer.state_item_nbytes} != {list(args.state.item_nbytes)}"
+    if peer.tp_size != args.tp_size:
+        return f"tp_size {peer.tp_size} != {args.tp_size}"
+    return None
+
+
+def bad_destination(peer: m.KVArgsRegister, info: m.TransferInfo) -> str | None:
+    """Reject indices outside the decode's registered buffers before anything is written."""
+    pages = min(b // i for b, i in zip(peer.kv_nbytes, peer.kv_item_nbytes))
+    if any(p < 0 or p >= pages for p in info.dst_pages):
+        return f"destination pages outside the decode's {pages} pages"
+    if info.aux_slot is not None and peer.aux_ptrs:
+        slots = peer.aux_nbytes[0] // peer.aux_item_nbytes[0]
+        if not 0 <= info.aux_slot < slots:
+            return f"aux slot {info.aux_slot} outside the decode's {slots} slots"
+    if peer.state_ptrs:
+        slots = min(b // i for b, i in zip(peer.state_nbytes, peer.state_item_nbytes))
+        if any(s < 0 or s >= slots for s in info.state_slots):
+            return f"state slots outside the decode's {slots} slots"
+    return None
+
+
+def stub_info(msg: m.AbortRoom) -> m.TransferInfo:
+    return m.TransferInfo(room=msg.room, session_id=msg.session_id, instance_id="", status_endpoint=msg.status_endpoint,
+                          dst_pages=[], aux_slot=None)

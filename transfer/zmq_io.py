@@ -1,0 +1,128 @@
+"""ZMQ plumbing shared by both managers: a cache of PUSH sockets and a PULL serving loop.
+
+ZMQ sockets are not thread-safe: each PUSH socket is guarded by its own lock (several threads
+send), each PULL socket is used only by the thread that serves it. Sends never block: a peer
+whose queue is full or that is gone simply loses the message, and the protocol's timeouts and
+heartbeats turn that into a Failed room.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from transfer import messages
+
+log = logging.getLogger(__name__)
+
+_SNDHWM = 10_000  # messages queued per peer before sends are dropped
+
+
+class PushSockets:
+    """PUSH sockets by endpoint, created on first use, purged when a peer is declared dead."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._ctx = ctx
+        self._lock = threading.Lock()
+        self._socks: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._closed = False
+
+    def _get(self, endpoint: str) -> tuple[zmq.Socket, threading.Lock] | None:
+        with self._lock:
+            if self._closed:
+                return None
+            entry = self._socks.get(endpoint)
+            if entry is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+                sock.connect(endpoint)
+                entry = self._socks[endpoint] = (sock, threading.Lock())
+            return entry
+
+    def send(self, endpoint: str, msg: messages.ToPrefill | messages.ToDecode) -> bool:
+        """Queue ``msg`` for ``endpoint``; False when it could not be queued."""
+        entry = self._get(endpoint)
+        if entry is None:
+            return False
+        sock, lock = entry
+        data = messages.encode(msg)
+        with lock:
+            if sock.closed:
+                return False
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError as exc:  # Again (queue full) or the socket was closed under us
+                log.warning("dropping %s to %s: %s", type(msg).__name__, endpoint, exc)
+                return False
+
+    def purge(self, endpoint: str) -> None:
+        """Close the socket to a dead peer so nothing queued for it is delivered to a successor."""
+        with self._lock:
+            entry = self._socks.pop(endpoint, None)
+        if entry is not None:
+            sock, lock = entry
+            with lock:
+                sock.close(linger=0)
+
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return list(self._socks)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries = list(self._socks.values())
+            self._socks.clear()
+        for sock, lock in entries:
+            with lock:
+                sock.close(linger=0)
+
+
+def bind_pull(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, port
+
+
+def serve_pull(
+    sock: zmq.Socket,
+    decode: Callable[[bytes], object],
+    handle: Callable[[object], None],
+    on_tick: Callable[[], None],
+    stop: threading.Event,
+    tick_s: float,
+    name: str,
+) -> None:
+    """Receive, decode and handle messages until ``stop``; a bad message is logged and dropped.
+
+    ``on_tick`` runs at least every ``tick_s`` (timers). Nothing a peer sends can end the loop:
+    decode errors and handler exceptions are both caught here. Closes ``sock`` on exit.
+    """
+    try:
+        while not stop.is_set():
+            if sock.poll(int(tick_s * 1000)):
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                msg: object = None
+                try:
+                    if len(frames) != 1:
+                        raise msgspec.DecodeError(f"expected 1 frame, got {len(frames)}")
+                    msg = decode(frames[0])
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("%s: dropping malformed message (%d bytes): %s", name, sum(map(len, frames)), exc)
+                if msg is not None:
+                    try:
+                        handle(msg)
+                    except Exception:
+                        log.exception("%s: handler failed on %s; dropped", name, type(msg).__name__)
+            try:
+                on_tick()
+            except Exception:
+                log.exception("%s: timer pass failed", name)
+    finally:
+        sock.close(linger=0)
