@@ -67,7 +67,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class FinishReason(msgspec.Struct, tag=True):
+class FinishReason(msgspec.Struct, kw_only=True):
     """Why generation ended; ``to_json`` gives SGLang's meta_info.finish_reason shape."""
 
     type: str  # "stop" | "length" | "abort"
