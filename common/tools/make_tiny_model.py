@@ -16,8 +16,8 @@ The variants differ on purpose so that code deriving a value from the wrong fiel
     qwen2   2       4/2       absent (64/4=16)  ~768   tied        q/k/v bias
 
 Weight scales are chosen so greedy decoding has clear winners (logit std ~8, so the top-2 gap
-is rarely a near-tie) and attention matters (score std of a few units, attention output about
-as large as the residual), see ``_init_std``.
+is rarely a near-tie) and context matters (attention scores of a few units, branch outputs
+dominating the residual so tied embeddings do not just echo the input), see ``_init_std``.
 """
 from __future__ import annotations
 
@@ -205,6 +205,10 @@ def _tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
 # --------------------------------------------------------------------------- weights
 
 
+# Attention and MLP outputs are ~10x the embedding. With tied embeddings the logit of the current
+# token is |e_t|^2 = hidden (8 std above the rest) whenever the residual is mostly e_t, and greedy
+# decoding then repeats its input forever; branches this large bury e_t. Measured over 600 greedy
+# steps per arch and seed: gain 1 collapses qwen3 to one token, 10 gives varied text.
 BRANCH_GAIN = 10.0
 
 
@@ -213,8 +217,8 @@ def _init_std(cfg: dict[str, Any]) -> dict[str, float]:
 
     Inputs of every projection are RMS-normalised (entries ~1), so a [out, in] weight with std s
     gives outputs with std ~ s * sqrt(in). We aim for: logits std ~8 (clear argmax), attention
-    scores std of a few units (sharp but not one-hot), branch outputs comparable to the residual
-    (embeddings std 1) so that attention and MLP both move the next-token choice.
+    scores std of a few units (sharp but not one-hot), branch outputs much larger than the
+    embedding (``BRANCH_GAIN``) so that attention and MLP decide the next token.
     """
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
