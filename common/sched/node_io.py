@@ -1,0 +1,189 @@
+"""The scheduler process's end of the API <-> scheduler link (role-agnostic; see common/protocol.py).
+
+::
+
+    API process                        scheduler process (this module)
+    PUSH ---- GenerateReq | AbortReq ---> PULL  recv(): work items returned to the loop
+              QueryReq | FlushCacheReq          answered here at once, from ``NodeStats``
+    PULL <--- BatchOutput | QueryReply --- PUSH  send(): one BatchOutput per step
+
+The scheduler loop calls ``recv`` once per step. It never blocks longer than the ``timeout_s``
+it passes (0 while there is work; a few ms when idle, so an idle node does not spin a core) and
+it reads at most ``max_batch`` messages per call so a flood cannot starve the forward pass.
+Queries are answered inside ``recv``: ``/get_load``, ``/metrics`` and ``/debug/memory`` see the
+state between two steps, never a half-updated one, and need no lock. A query handler that raises
+answers ``{"error": ...}`` instead of taking the loop down.
+
+Sends never block either: if the API process is gone and its queue is full, output is dropped
+with a log line (the API's own watchdog fails its clients).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import zmq
+
+from common.protocol import (
+    AbortReq,
+    BatchOutput,
+    FlushCacheReq,
+    GenerateReq,
+    IpcEndpoints,
+    QueryReply,
+    QueryReq,
+    ReqOutput,
+    decode_to_scheduler,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+WorkItem = GenerateReq | AbortReq
+
+_SNDHWM = 100_000  # outgoing messages queued for the API before sends are dropped
+
+
+class NodeStats(Protocol):
+    """What a node's scheduler exposes to the ops endpoints (payload shapes: common/protocol.py)."""
+
+    def load(self) -> dict[str, int]:
+        """``{"num_reqs", "num_waiting_reqs", "num_tokens"}`` for /get_load."""
+        ...
+
+    def memory(self) -> dict:
+        """Pool counters for /debug/memory (JSON-serialisable)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Flat ``{name: number}``; each becomes the gauge ``pdc_scheduler_<name>``."""
+        ...
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """Drop the prefix cache: (success, message); refused while requests hold pages."""
+        ...
+
+
+class NodeIO:
+    def __init__(self, endpoints: IpcEndpoints, stats: NodeStats, max_batch: int = 4096) -> None:
+        self._stats = stats
+        self._max_batch = max_batch
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(endpoints.to_scheduler)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, _SNDHWM)
+        self._push.connect(endpoints.from_scheduler)
+        self._closed = False
+        self.dropped_outputs = 0
+
+    # -- receive ------------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float = 0.0) -> list[WorkItem]:
+        """Work items that arrived, in order; waits at most ``timeout_s`` for the first one.
+
+        Queries that arrive are answered before this returns; they end the wait too (the loop
+        then simply polls again), so an idle node answers /get_load within one poll.
+        """
+        items: list[WorkItem] = []
+        if timeout_s > 0 and not self._pull.poll(int(timeout_s * 1000)):
+            return items
+        for _ in range(self._max_batch):
+            try:
+                buf = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = decode_to_scheduler(buf)  # logs and returns None on a malformed frame
+            if isinstance(msg, (GenerateReq, AbortReq)):
+                items.append(msg)
+            elif isinstance(msg, QueryReq):
+                self._reply(msg.query_id, self._answer(msg.what))
+            elif isinstance(msg, FlushCacheReq):
+                self._reply(msg.query_id, self._flush())
+        return items
+
+    def _answer(self, what: str) -> dict:
+        try:
+            if what == "load":
+                return dict(self._stats.load())
+            if what == "memory":
+                return dict(self._stats.memory())
+            if what == "metrics":
+                return dict(self._stats.metrics())
+            return {"error": f"unknown query {what!r}"}
+        except Exception as exc:  # a stats bug must not stop the scheduler loop
+            log.exception("answering the %s query failed", what)
+            return {"error": f"{what} query failed: {type(exc).__name__}: {exc}"}
+
+    def _flush(self) -> dict:
+        try:
+            ok, message = self._stats.flush_cache()
+        except Exception as exc:
+            log.exception("flush_cache failed")
+            ok, message = False, f"flush_cache failed: {type(exc).__name__}: {exc}"
+        return {"success": ok, "message": message}
+
+    # -- send ---------------------------------------------------------------------------------
+
+    def send(self, items: Sequence[ReqOutput]) -> None:
+        """One BatchOutput with every item (nothing is sent for an empty list)."""
+        if items:
+            self._send(encode(BatchOutput(items=list(items))), len(items))
+
+    def _reply(self, query_id: str, payload: dict) -> None:
+        self._send(encode(QueryReply(query_id=query_id, payload=payload)), 0)
+
+    def _send(self, data: bytes, num_items: int) -> None:
+        if self._closed:
+            return
+        try:
+            self._push.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_outputs += num_items
+            log.error("API process not reading: dropped a message with %d outputs", num_items)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pull.close(linger=0)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+
+class RateMeter:
+    """Events per second over a sliding window (``gen_throughput`` and friends).
+
+    ``add(n)`` once per step; ``rate()`` = events in the last ``window_s`` / the span covered.
+    """
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self._window = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def add(self, n: int, now: float | None = None) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        self._events.append((now, n))
+        self._total += n
+        self._trim(now)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return self._total / max(span, min(self._window, 1.0))
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > self._window:
+            _, n = self._events.popleft()
+            self._total -= n
