@@ -1,0 +1,393 @@
+"""The decode node's scheduler: rooms in, tokens out. Plain data in (``add``/``abort``), plain data out
+(``step`` returns ``ReqOutput``s); the process loop in ``decode_node.process`` feeds it from ZMQ.
+
+Request lifecycle (one ``step`` moves every queue once, in this order)::
+
+    GenerateReq ──add──> prealloc: KVReceiver(room) bootstraps (finds the prefill, registers our buffers)
+        │  handshake done AND both memory checks pass (common.sched.decode_budget):
+        │      row + prompt pages + aux slot, receiver.init() sends TransferInfo
+        v
+    transfer: poll() ── Failed ──> pages + aux slot freed, 503 naming the cause
+        │  Success: KV of the prompt is in our pages, the first token in the aux row
+        v
+    waiting ──prebuilt batch (no forward)──> first token appended, stop checked
+        v
+    running ──decode step: one token per request──> stop checked ──> finished: pages freed
+        │  the pool cannot give every request its next page
+        v
+    retracted: pages freed, tokens kept ──resume (before any new room)──> recompute prompt + output
+        on this node (extend, no sampling) ──> running
+
+    local request (no bootstrap room, e.g. /health_generate) ──> retracted queue with no output:
+        its "recompute" is an ordinary prefill whose last chunk samples the first token
+
+Aborts (client gone, /abort_request) are answered at once. A room whose TransferInfo is out may
+still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
+terminal state (the transfer layer's fence; bounded by its timeouts), then are freed exactly once.
+
+Retraction resumes by **recompute**, not host offload: the decode node has the model anyway, no
+host pool has to be sized and budgeted, and recomputed KV gives the same greedy tokens (up to
+near-ties). Offload would beat recompute for long contexts on a GPU; it is not built.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from common.engine.driver import SampleSpec
+from common.engine.model_runner import DecodeItem, ExtendChunk
+from common.engine.sampler import SampledToken
+from common.kvcache.req_kv import KVMemory
+from common.protocol import GenerateReq, ReqOutput
+from common.request import FinishReason
+from common.sched.decode_budget import DecodeBudget, NewTokenRatio
+from common.sched.stop import StopChecker
+from decode_node.req import AuxSlots, DecodeReq, Engine, ReceiverFactory, Stage
+from transfer.errors import TransferError
+from transfer.poll import KVPoll
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSchedConfig:
+    max_running_requests: int
+    recompute_tokens_per_step: int = 2048  # resume budget per step (at least one request resumes)
+    check_aux_room: bool = True  # False with the fake backend: it writes no aux row
+    drain_warn_s: float = 30.0
+
+
+class DecodeScheduler:
+    def __init__(self, engine: Engine, memory: KVMemory, receivers: ReceiverFactory, aux: AuxSlots,
+                 stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig) -> None:
+        self.engine, self.memory, self.receivers, self.aux = engine, memory, receivers, aux
+        self.stop, self.budget, self.ratio, self.cfg = stop, budget, ratio, cfg
+        self.reqs: dict[str, DecodeReq] = {}  # every live request by rid (not draining ones)
+        self.prealloc: deque[DecodeReq] = deque()
+        self.transfer: list[DecodeReq] = []
+        self.waiting: deque[DecodeReq] = deque()
+        self.running: list[DecodeReq] = []
+        self.retracted: deque[DecodeReq] = deque()
+        self.draining: list[DecodeReq] = []
+        self._outbox: list[ReqOutput] = []
+        self.counters = {"generated_tokens": 0, "retractions": 0, "finished": 0, "failed": 0, "aborted": 0}
+
+    # ---- input ----------------------------------------------------------------------------------
+
+    def add(self, msg: GenerateReq) -> None:
+        params = msg.sampling
+        if msg.return_logprob or msg.top_logprobs_num:
+            params = msgspec.structs.replace(params, return_logprob=True,
+                                             top_logprobs_num=max(params.top_logprobs_num, msg.top_logprobs_num))
+        local = msg.bootstrap_room is None
+        addr = None if local else f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+        r = DecodeReq(rid=msg.rid, prompt=list(msg.input_ids), params=params, stream=msg.stream,
+                      room=msg.bootstrap_room, bootstrap_addr=addr, arrival=msg.arrival_time or time.time())
+        if msg.rid in self.reqs:
+            return self._fail(r, 400, f"request id {msg.rid!r} is already running on this decode node")
+        if self.budget.pages(len(r.prompt) + 1) > self.budget.cfg.total_pages:
+            return self._fail(r, 400, f"{r.label()}: a prompt of {len(r.prompt)} tokens does not fit this decode "
+                                        f"node's KV pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
+        if local and r.max_new == 0:
+            r.finish = FinishReason(type="length", length=0)
+            return self._emit(r)
+        if local:
+            r.stage = Stage.RETRACTED
+            self.retracted.append(r)
+        else:
+            if msg.bootstrap_host is None or msg.bootstrap_port is None:
+                return self._fail(r, 400, f"{r.label()}: bootstrap_room without bootstrap_host/bootstrap_port")
+            try:
+                r.receiver = self.receivers.create_receiver(r.room, r.bootstrap_addr)  # type: ignore[arg-type]
+            except TransferError as exc:
+                return self._fail(r, 400, f"{r.label()}: cannot receive its KV: {exc}")
+            self.prealloc.append(r)
+        self.reqs[r.rid] = r
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        """Answer at once; free what is ours now, fence what the prefill may still write."""
+        r = self.reqs.pop(rid, None)
+        if r is None:
+            return  # finished already, or never here
+        self.counters["aborted"] += 1
+        r.finish = FinishReason(type="abort", message=reason)
+        self._emit(r)
+        if r.stage in (Stage.PREALLOC, Stage.TRANSFER):
+            self._remove(r)
+            assert r.receiver is not None
+            r.receiver.abort(f"{r.label()}: {reason}")
+            r.stage, r.drain_since = Stage.DRAINING, time.monotonic()
+            self.draining.append(r)
+        else:
+            self._remove(r)
+            self._free(r)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        self._drain()
+        self._poll_transfer()
+        self._resume_retracted()  # retracted first: they go before any new room
+        self._poll_prealloc()
+        self._merge_waiting()
+        self._decode()
+        out, self._outbox = self._outbox, []
+        return out
+
+    @property
+    def busy(self) -> bool:
+        """A forward to run: the loop should turn without waiting for input."""
+        return bool(self.running or self.waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.reqs or self.draining)
+
+    # ---- prealloc -> transfer -> waiting --------------------------------------------------------
+
+    def _poll_prealloc(self) -> None:
+        if not self.prealloc:
+            return
+        ratio = self.ratio.value
+        held = [r.holder() for r in self.running]
+        alloc = self.budget.allocatable_pages(
+            self.memory.available_pages(), held, [r.holder() for r in (*self.transfer, *self.waiting)],
+            [r.holder() for r in self.retracted], ratio)
+        retractable = sum(h.held_pages for h in held)
+        blocked = False  # FIFO: once one room does not fit, later ones wait too (no starvation)
+        for r in list(self.prealloc):
+            assert r.receiver is not None
+            status = r.receiver.poll()
+            if status is KVPoll.Failed:
+                self._fail(r, 503, f"{r.label()}: KV transfer failed before it started: {r.receiver.failure_reason}")
+                continue
+            if status is not KVPoll.WaitingForInput or blocked:
+                continue
+            if not self.budget.can_prealloc(len(r.prompt), r.max_new, alloc, retractable, ratio) or not self._reserve_room(r):
+                blocked = True
+                continue
+            alloc -= self.budget.pages(len(r.prompt) + self.budget.headroom_tokens(r.steps_left, ratio))
+            self.prealloc.remove(r)
+            r.stage = Stage.TRANSFER
+            self.transfer.append(r)
+            assert r.kv is not None and r.receiver is not None
+            r.receiver.init(r.kv.pages, r.aux_slot)
+
+    def _reserve_room(self, r: DecodeReq) -> bool:
+        """Row + prompt pages + aux slot, all or nothing."""
+        kv = self.memory.admit((), use_cache=False)
+        if kv is None:
+            return False
+        if not self.memory.reserve(kv, len(r.prompt)):
+            self.memory.release(kv, None)
+            return False
+        slot = self.aux.alloc()
+        if slot is None:
+            self.memory.release(kv, None)
+            return False
+        r.kv, r.aux_slot = kv, slot
+        return True
+
+    def _poll_transfer(self) -> None:
+        for r in list(self.transfer):
+            assert r.receiver is not None and r.kv is not None and r.aux_slot is not None
+            status = r.receiver.poll()
+            if status is KVPoll.Failed:
+                self._fail(r, 503, f"{r.label()}: KV transfer failed: {r.receiver.failure_reason}")
+            elif status is KVPoll.Success:
+                rec = self.aux.read(r.aux_slot)
+                if self.cfg.check_aux_room and rec.room != r.room:
+                    self._fail(r, 500, f"{r.label()}: the aux row holds room {rec.room}, not ours")
+                    continue
+                self.aux.free(r.aux_slot)
+                r.aux_slot, r.receiver = None, None
+                r.kv.kv_len = len(r.prompt)
+                r.cached_tokens = rec.cached_tokens
+                self.transfer.remove(r)
+                if r.max_new == 0:
+                    r.finish = FinishReason(type="length", length=0)
+                else:  # the first token, sampled by the prefill
+                    top = list(zip(rec.top_ids, rec.top_logprobs))
+                    self._append(r, rec.token_id, rec.logprob, top)
+                if r.finish is not None:
+                    self._finish(r)
+                else:
+                    r.stage = Stage.WAITING
+                    self.waiting.append(r)
+
+    def _merge_waiting(self) -> None:
+        """The prebuilt batch: the prompt's KV is in place and the first token came from the
+        prefill, so joining the running batch needs no forward."""
+        while self.waiting and len(self.running) < self.cfg.max_running_requests:
+            self._to_running_or_finish(self.waiting.popleft())
+
+    # ---- retraction and resume ------------------------------------------------------------------
+
+    def _resume_retracted(self) -> None:
+        budget_left = self.cfg.recompute_tokens_per_step
+        while self.retracted and budget_left > 0 and len(self.running) < self.cfg.max_running_requests:
+            r = self.retracted[0]
+            ids = r.recompute_ids()
+            others = [o.holder() for o in (*self.running, *self.waiting, *self.transfer)]
+            if not self.budget.can_resume(r.holder(), self.memory.available_pages(), others, self.ratio.value,
+                                          alone=not (self.running or self.waiting)):
+                return
+            kv = self.memory.admit((), use_cache=False)
+            if kv is None:
+                return
+            if not self.memory.reserve(kv, len(ids)):
+                self.memory.release(kv, None)
+                return
+            self.retracted.popleft()
+            r.kv = kv
+            first = self._recompute(r, ids)
+            budget_left -= len(ids)
+            if first is not None:
+                self._append(r, first.token_id, first.logprob, first.top_logprobs)
+            self._to_running_or_finish(r)
+
+    def _recompute(self, r: DecodeReq, ids: Sequence[int]) -> SampledToken | None:
+        """Write the KV of ``ids`` in chunks; a request with no output samples its first token."""
+        assert r.kv is not None
+        chunk = max(self.cfg.recompute_tokens_per_step, 1)
+        sampled: SampledToken | None = None
+        for start in range(0, len(ids), chunk):
+            end = min(start + chunk, len(ids))
+            spec = SampleSpec(r.params, r.out, r.prompt) if end == len(ids) and not r.out else None
+            [sampled] = self.engine.run_extend([ExtendChunk(r.kv.row, ids[start:end], start)], [spec])
+        r.kv.kv_len = len(ids)
+        return sampled
+
+    def _make_room(self) -> bool:
+        """Ensure every running request can take its next page; False: skip this decode step."""
+        held = [r.holder() for r in self.running]
+        victims, fits = self.budget.pick_victims(held, self.memory.available_pages())
+        chosen = [self.running[i] for i in victims]
+        for r in chosen:
+            self._retract(r)
+        if chosen:
+            self.ratio.on_retract([r.holder() for r in self.running], self.budget.cfg.retract_decode_steps)
+            log.info("retracted %d request(s) (%s); new_token_ratio now %.3f", len(chosen),
+                     ", ".join(r.rid for r in chosen), self.ratio.value)
+        while not fits and self.waiting:
+            # Requests waiting for a running slot hold pages too (only with a full running batch).
+            self._retract(self.waiting[-1])
+            fits = self.budget.step_pages(self.running[0].holder()) <= self.memory.available_pages()
+        if fits:
+            return True
+        if self.transfer:
+            return False  # rooms in transfer hold pages: once they land they can be retracted too
+        # One request alone outgrows the whole pool (its worst case was capped at admission).
+        [r] = self.running
+        self._fail(r, 500, f"{r.label()}: out of KV memory: {len(r.prompt) + len(r.out)} tokens exceed this "
+                           f"decode node's pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
+        return False
+
+    def _retract(self, r: DecodeReq) -> None:
+        self._remove(r)
+        self._free(r)
+        r.retractions += 1
+        self.counters["retractions"] += 1
+        r.stage = Stage.RETRACTED
+        self.retracted.append(r)
+
+    # ---- decode ---------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        if not self.running or not self._make_room():
+            return
+        for r in self.running:
+            assert r.kv is not None
+            if not self.memory.reserve(r.kv, r.kv.kv_len + 1):
+                raise RuntimeError(f"{r.label()}: no page after _make_room said it fits")  # a budget bug
+        batch = list(self.running)
+        items = [DecodeItem(r.kv.row, r.out[-1], r.kv.kv_len) for r in batch if r.kv is not None]
+        specs = [SampleSpec(r.params, r.out, r.prompt) for r in batch]
+        tokens = self.engine.run_decode(items, specs)
+        self.ratio.on_decode_step()
+        for r, tok in zip(batch, tokens):
+            assert r.kv is not None
+            r.kv.kv_len += 1
+            self._append(r, tok.token_id, tok.logprob, tok.top_logprobs)
+            if r.finish is not None:
+                self.running.remove(r)
+                self._finish(r)
+            elif r.stream:
+                self._emit(r)
+
+    def _append(self, r: DecodeReq, token: int, logprob: float | None, top: Sequence[tuple[int, float]]) -> None:
+        r.out.append(token)
+        self.counters["generated_tokens"] += 1
+        if r.params.return_logprob:
+            r.logprobs.append(0.0 if logprob is None else logprob)
+            r.top_logprobs.append(list(top)[: r.params.top_logprobs_num])
+        r.finish = self.stop.check(r.params, r.out)
+
+    def _to_running_or_finish(self, r: DecodeReq) -> None:
+        if r.finish is not None:
+            self._finish(r)
+            return
+        r.stage = Stage.RUNNING
+        self.running.append(r)
+        if r.stream:
+            self._emit(r)
+
+    # ---- endings --------------------------------------------------------------------------------
+
+    def _finish(self, r: DecodeReq) -> None:
+        self._free(r)
+        self.reqs.pop(r.rid, None)
+        r.stage = Stage.DONE
+        self.counters["finished"] += 1
+        self._emit(r)
+
+    def _fail(self, r: DecodeReq, status: int, message: str) -> None:
+        """Finish with an error; only for rooms whose receiver is terminal (or never created)."""
+        log.warning("%s", message)
+        self._remove(r)
+        self._free(r)
+        self.reqs.pop(r.rid, None)
+        r.stage = Stage.DONE
+        self.counters["failed"] += 1
+        r.finish, r.error, r.http_status = FinishReason(type="abort", message=message), message, status
+        self._emit(r)
+
+    def _drain(self) -> None:
+        now = time.monotonic()
+        for r in list(self.draining):
+            assert r.receiver is not None
+            if r.receiver.poll().terminal:
+                self.draining.remove(r)
+                self._free(r)
+                r.stage = Stage.DONE
+            elif now - r.drain_since > self.cfg.drain_warn_s:
+                log.warning("%s: aborted %.0f s ago, its transfer has not ended yet", r.label(), now - r.drain_since)
+                r.drain_since = now
+
+    def _free(self, r: DecodeReq) -> None:
+        """Give back everything ``r`` holds (each resource once; safe to call again)."""
+        if r.kv is not None:
+            self.memory.release(r.kv, None)  # decode keeps no prefix cache: received KV is freed
+            r.kv = None
+        if r.aux_slot is not None:
+            self.aux.free(r.aux_slot)
+            r.aux_slot = None
+
+    def _remove(self, r: DecodeReq) -> None:
+        """Take ``r`` out of whichever queue holds it."""
+        for q in (self.prealloc, self.transfer, self.waiting, self.running, self.retracted):
+            if r in q:
+                q.remove(r)
+                return
+
+    # ---- output ---------------------------------------------------------------------------------
+
+    def _emit(self, r: DecodeReq) -> None:
+        """New tokens since the last output (non-streaming requests: only the final one)."""
+        if r.finish is not None or r.stream:
+            self._outbox.append(r.take_output())

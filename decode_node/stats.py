@@ -1,0 +1,73 @@
+"""What the decode scheduler tells the ops endpoints (``common.sched.node_io.NodeStats``).
+
+``/debug/memory`` is the leak detector used by every e2e scenario: once a node is idle, its free
+pages, request rows and aux slots must equal the totals again and ``integrity`` must be "ok".
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from common.sched.node_io import RateMeter
+from decode_node.scheduler import DecodeScheduler
+
+
+class DecodeStats:
+    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None,
+                 throughput: RateMeter | None = None) -> None:
+        self.sched = sched
+        self.aux_total_slots = aux_total_slots
+        self._transfer_rooms = transfer_rooms
+        self.throughput = throughput or RateMeter()
+
+    def queued(self) -> int:
+        s = self.sched
+        return len(s.prealloc) + len(s.transfer) + len(s.waiting) + len(s.retracted)
+
+    def load(self) -> dict[str, int]:
+        s = self.sched
+        mem = s.memory
+        used_pages = mem.allocator.num_total - mem.allocator.num_free
+        return {"num_reqs": len(s.running) + self.queued(), "num_waiting_reqs": self.queued(),
+                "num_tokens": used_pages * mem.page_size}
+
+    def memory(self) -> dict:
+        s = self.sched
+        out: dict = dict(s.memory.stats())
+        out.update({
+            "aux_total_slots": self.aux_total_slots,
+            "aux_free_slots": s.aux.num_free(),
+            "num_prealloc": len(s.prealloc), "num_transfer": len(s.transfer), "num_waiting": len(s.waiting),
+            "num_running": len(s.running), "num_retracted": len(s.retracted), "num_draining": len(s.draining),
+            "new_token_ratio": round(s.ratio.value, 4),
+        })
+        if self._transfer_rooms is not None:
+            out["transfer_rooms"] = self._transfer_rooms()
+        try:
+            s.memory.check_integrity()
+            s.aux.check_integrity()
+            out["integrity"] = "ok"
+        except Exception as exc:  # reported, not raised: this endpoint exists to show such faults
+            out["integrity"] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        s = self.sched
+        alloc = s.memory.allocator
+        return {
+            "num_running_reqs": len(s.running),
+            "num_waiting_reqs": len(s.waiting) + len(s.prealloc) + len(s.retracted),
+            "num_transfer_reqs": len(s.transfer),
+            "num_prealloc_reqs": len(s.prealloc),
+            "num_retracted_reqs": len(s.retracted),
+            "token_usage": (alloc.num_total - alloc.num_free) / max(alloc.num_total, 1),
+            "gen_throughput": self.throughput.rate(),
+            "new_token_ratio": s.ratio.value,
+            **{f"{k}_total": float(v) for k, v in s.counters.items()},
+        }
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """The decode node caches no prefixes; flushing only checks it is idle (as SGLang does)."""
+        if not self.sched.idle:
+            return False, "requests are in flight; retry when the node is idle"
+        self.sched.memory.cache.reset()
+        return True, "decode node holds no prefix cache; nothing to flush"
