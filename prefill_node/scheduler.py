@@ -1,0 +1,375 @@
+"""The prefill scheduler: plain data in (API messages), plain data out (replies), one ``step`` at a time.
+
+Lifecycle of one request (queues are FIFO lists; every arrow happens inside ``step``)::
+
+    GenerateReq --receive--> bootstrap --poll: WaitingForInput--> waiting
+      bad input: 400 reply      sender created; the decode          |  prefill adder: budgets + policy;
+      (no pool touched)         has not said where to write yet     |  admit = row + cached prefix +
+                                                                    v  pages for the whole prompt
+                             chunked <--more prompt left-------- forward
+                             (goes first next step)                 |  every chunk: its finished pages
+                                                                    |  -> sender.send (non-blocking)
+                                                                    |  last chunk: first token sampled,
+                                                                    v  aux (token, logprobs, cached) too
+                                                                 inflight --poll: Success/Failed--> release, reply
+                                                                    (no terminal state within
+                                                                     transfer_timeout_s: sender.abort)
+
+    Failed seen in bootstrap / waiting / chunked       -> released and answered at once (503)
+    AbortReq, forward error, send error in any queue   -> sender.abort -> inflight -> released when terminal
+
+Why release waits for a terminal state: the KVSender contract reports Failed only once no write
+of the room is in flight, so after Success/Failed nothing reads the pages any more. Then, and only
+then, the prompt's full pages go to the radix cache (``KVMemory.release`` with the token ids): an
+insert may free a duplicate page, which must not happen while a transfer still reads it. Every
+request is released exactly once (``_finish`` marks it); ``check_integrity`` proves it.
+
+A local request (no ``bootstrap_room``: ``/health_generate``) skips bootstrap and transfer: it
+runs its prompt and is answered with the one token sampled, so liveness checks exercise the model.
+
+The scheduler never blocks: ``sender.poll`` is a dict read, ``sender.send`` queues work for the
+transfer threads. It is not thread-safe; the scheduler process loop owns it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from common.engine.driver import SampleSpec
+from common.engine.model_runner import ExtendChunk
+from common.engine.sampler import SampledToken
+from common.kvcache.req_kv import KVMemory
+from common.protocol import AbortReq, GenerateReq, ReqOutput
+from common.request import FinishReason
+from common.sched.prefill_adder import Policy, PrefillAdder, PrefillBudget, order_waiting
+from common.sched.stop import StopChecker
+from prefill_node.req import PrefillReq, aborted, aux_record, failed, local_answer, transferred
+from transfer.base import KVSender
+from transfer.errors import TransferError
+from transfer.poll import KVPoll
+
+log = logging.getLogger(__name__)
+
+
+class ExtendEngine(Protocol):
+    """``common.engine.driver.EngineDriver`` fits: one forward over prompt chunks, sampled tokens out."""
+
+    def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]: ...
+
+
+SenderFactory = Callable[[int], KVSender]  # PrefillKVManager.create_sender; raises TransferError
+
+
+@dataclass(frozen=True)
+class PrefillSchedConfig:
+    budget: PrefillBudget
+    policy: Policy = "fcfs"
+    transfer_timeout_s: float = 60.0  # inflight without a terminal state this long -> abort the room
+    aux_top_k: int = 0  # top logprobs carried in the aux record (must match the transfer layout)
+
+
+@dataclass
+class Counters:
+    finished: int = 0
+    failed: int = 0
+    aborted: int = 0
+    rejected: int = 0
+    forwards: int = 0
+    forward_s: float = 0.0
+    prompt_tokens: int = 0  # computed by forwards
+    cached_tokens: int = 0  # served from the prefix cache
+
+
+class PrefillScheduler:
+    def __init__(self, engine: ExtendEngine, memory: KVMemory, senders: SenderFactory, stop: StopChecker,
+                 cfg: PrefillSchedConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine, self.memory, self.senders, self.stop, self.cfg, self.clock = engine, memory, senders, stop, cfg, clock
+        self.bootstrap: list[PrefillReq] = []
+        self.waiting: list[PrefillReq] = []
+        self.chunked: PrefillReq | None = None
+        self.inflight: list[PrefillReq] = []
+        self.reqs: dict[str, PrefillReq] = {}  # every live request, by rid
+        self.counters = Counters()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self, incoming: Sequence[GenerateReq | AbortReq] = ()) -> list[ReqOutput]:
+        out: list[ReqOutput] = []
+        for msg in incoming:
+            if isinstance(msg, GenerateReq):
+                self._receive(msg, out)
+            elif msg.rid in self.reqs:
+                self._drain(self.reqs[msg.rid], "aborted by the client", None, out)
+        self._poll_bootstrap(out)
+        self._drop_failed(out)
+        # Finished transfers release before scheduling so this step's batch can use their pages
+        # (a chunk sent by this step's forward is polled from the next step on).
+        self._poll_inflight(out)
+        batch = self._schedule()
+        if batch:
+            self._forward(batch, out)
+        return out
+
+    def has_runnable(self) -> bool:
+        """A forward is possible next step (else the loop may wait on its socket a little)."""
+        return bool(self.waiting) or self.chunked is not None
+
+    # ---- receive -------------------------------------------------------------------------------
+
+    def _receive(self, msg: GenerateReq, out: list[ReqOutput]) -> None:
+        if msg.rid in self.reqs:  # the API never does this; a reply would reach the other request
+            log.error("dropping a second request with the in-flight rid %s", msg.rid)
+            return
+        where = f"rid {msg.rid}" if msg.bootstrap_room is None else f"room {msg.bootstrap_room} (rid {msg.rid})"
+        error = self._check_input(msg)
+        sender = None
+        if error is None and msg.bootstrap_room is not None:
+            try:
+                sender = self.senders(msg.bootstrap_room)
+            except TransferError as exc:
+                error = str(exc)
+        if error is not None:
+            self.counters.rejected += 1
+            out.append(failed(msg.rid, f"{where}: {error}", 400, len(msg.input_ids)))
+            return
+        params = msgspec.structs.replace(
+            msg.sampling, return_logprob=msg.sampling.return_logprob or msg.return_logprob,
+            top_logprobs_num=max(msg.sampling.top_logprobs_num, msg.top_logprobs_num))
+        req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), params, sender)
+        self.reqs[req.rid] = req
+        (self.waiting if sender is None else self.bootstrap).append(req)
+
+    def _check_input(self, msg: GenerateReq) -> str | None:
+        """Why the request can never run here (400), or None. Touches no pool."""
+        n = len(msg.input_ids)
+        if n == 0:
+            return "empty prompt"
+        if n > self.memory.req_to_token.max_context_len:
+            return f"prompt of {n} tokens exceeds the context length {self.memory.req_to_token.max_context_len}"
+        pages, total = self.memory.pages_for(n), self.memory.allocator.num_total
+        if pages > total:
+            return f"prompt of {n} tokens needs {pages} KV pages; this node has {total}"
+        if msg.bootstrap_room is None and msg.sampling.max_new_tokens > 1:
+            return ("a prefill node generates no text: send disaggregated requests (bootstrap_host/port/room) "
+                    "through the router, or max_new_tokens <= 1 for a local check")
+        return None
+
+    # ---- queues before the forward -----------------------------------------------------------
+
+    def _poll_bootstrap(self, out: list[ReqOutput]) -> None:
+        keep: list[PrefillReq] = []
+        for req in self.bootstrap:
+            state = req.sender.poll()  # type: ignore[union-attr]  # bootstrap requests have senders
+            if state is KVPoll.Bootstrapping:
+                keep.append(req)
+            elif state is KVPoll.Failed:
+                self._finish_transfer(req, state, out)
+            else:  # WaitingForInput: the decode said where to write
+                self.waiting.append(req)
+        self.bootstrap = keep
+
+    def _drop_failed(self, out: list[ReqOutput]) -> None:
+        """A room can fail before its forward (decode gave up, aborted, was refused): free it now."""
+        keep: list[PrefillReq] = []
+        for req in self.waiting:
+            if req.sender is not None and req.sender.poll() is KVPoll.Failed:
+                self._finish_transfer(req, KVPoll.Failed, out)
+            else:
+                keep.append(req)
+        self.waiting = keep
+        req = self.chunked
+        if req is not None and req.sender is not None and req.sender.poll() is KVPoll.Failed:
+            self.chunked = None
+            self._finish_transfer(req, KVPoll.Failed, out)
+
+    def _schedule(self) -> list[tuple[PrefillReq, int]]:
+        """This step's batch: (request, tokens to compute) — the chunked request first."""
+        mem = self.memory
+        adder = PrefillAdder(self.cfg.budget, mem.available_pages(), mem.page_size)
+        batch: list[tuple[PrefillReq, int]] = []
+        if self.chunked is not None:
+            batch.append((self.chunked, adder.add_chunked(self.chunked.prompt_len - self.chunked.computed)))
+        if adder.closed or not self.waiting:
+            return batch
+
+        def prefix_len(r: PrefillReq) -> int:
+            return mem.cache.match_prefix(r.input_ids, r.prompt_len - 1).num_tokens
+
+        admitted: set[str] = set()
+        for req in order_waiting(self.waiting, self.cfg.policy, prefix_len):
+            before = mem.available_pages()
+            kv = mem.admit(req.input_ids)  # locks the cached prefix
+            if kv is None:
+                break  # no request row free
+            n = adder.add_new(req.prompt_len, kv.num_cached, lock_pages=before - mem.available_pages())
+            if n is None or not mem.reserve(kv, req.prompt_len):
+                mem.release(kv, None)  # unlock; nothing was computed
+                break
+            req.kv = kv
+            admitted.add(req.rid)
+            batch.append((req, n))
+            if adder.closed:
+                break
+        self.waiting = [r for r in self.waiting if r.rid not in admitted]
+        return batch
+
+    # ---- forward and send ----------------------------------------------------------------------
+
+    def _forward(self, batch: list[tuple[PrefillReq, int]], out: list[ReqOutput]) -> None:
+        chunks: list[ExtendChunk] = []
+        specs: list[SampleSpec | None] = []
+        for req, n in batch:
+            assert req.kv is not None
+            start = req.kv.kv_len
+            chunks.append(ExtendChunk(req.kv.row, req.input_ids[start : start + n], start))
+            last = start + n == req.prompt_len
+            specs.append(SampleSpec(req.params, (), req.input_ids) if last else None)
+        t0 = self.clock()
+        self.chunked = None
+        try:
+            results = self.engine.run_extend(chunks, specs)
+        except Exception as exc:  # a bad batch fails its requests; the node keeps serving
+            log.exception("prefill forward of %d requests failed", len(batch))
+            for req, _ in batch:
+                self._drain(req, f"prefill forward failed: {type(exc).__name__}: {exc}", 500, out)
+            return
+        now = self.clock()
+        self.counters.forwards += 1
+        self.counters.forward_s += now - t0
+        for (req, n), tok in zip(batch, results):
+            assert req.kv is not None
+            if req.kv.kv_len == req.kv.num_cached:
+                self.counters.cached_tokens += req.kv.num_cached
+            req.kv.kv_len += n
+            self.counters.prompt_tokens += n
+            last = req.kv.kv_len == req.prompt_len
+            req.first = tok if last else None
+            if req.sender is not None and not self._send(req, last, out):
+                continue  # drained by a send error
+            if not last:
+                self.chunked = req
+            elif req.sender is None:
+                self._finish(req, local_answer(req, self._local_finish(req)), out)
+            else:
+                req.drain_since = now
+                self.inflight.append(req)
+
+    def _send(self, req: PrefillReq, last: bool, out: list[ReqOutput]) -> bool:
+        """Hand the chunk's finished pages to the sender. An intermediate chunk sends full pages
+        only; a page it filled partly goes with the next chunk::
+
+            page_size 4, chunk ends at token 10:  |0 1 2 3|4 5 6 7|8 9 . .|  -> sends pages 0, 1
+            last chunk (prompt of 13 tokens):      ... |8 9 10 11|12 . . .|  -> sends pages 2, 3
+        """
+        kv = req.kv
+        assert kv is not None and req.sender is not None
+        upto = len(kv.pages) if last else kv.kv_len // self.memory.page_size
+        pages = kv.pages[req.sent_pages : upto]
+        if not pages and not last:
+            return True
+        aux = aux_record(req, req.first, self.cfg.aux_top_k) if last and req.first is not None else None
+        try:
+            req.sender.send(pages, last, aux)
+        except TransferError as exc:
+            self._drain(req, f"KV send failed: {exc}", 500, out)
+            return False
+        req.sent_pages = upto
+        return True
+
+    def _local_finish(self, req: PrefillReq) -> FinishReason:
+        if req.params.max_new_tokens == 0:
+            req.first = None
+            return FinishReason(type="length", length=0)
+        assert req.first is not None
+        return self.stop.check(req.params, [req.first.token_id]) or FinishReason(type="length", length=1)
+
+    # ---- after the forward ---------------------------------------------------------------------
+
+    def _poll_inflight(self, out: list[ReqOutput]) -> None:
+        now = self.clock()
+        keep: list[PrefillReq] = []
+        for req in self.inflight:
+            assert req.sender is not None and req.drain_since is not None
+            state = req.sender.poll()
+            if state.terminal:
+                self._finish_transfer(req, state, out)
+                continue
+            if now - req.drain_since > self.cfg.transfer_timeout_s:
+                # abort is idempotent; poll reports Failed once no write for the room is in flight.
+                req.sender.abort(f"KV transfer not done within {self.cfg.transfer_timeout_s:g} s")
+            keep.append(req)
+        self.inflight = keep
+
+    def _drain(self, req: PrefillReq, reason: str, status: int | None, out: list[ReqOutput]) -> None:
+        """End a request early from any queue: abort its room, release once the room is terminal."""
+        if req.abort_reason is None:
+            req.abort_reason, req.abort_status = reason, status
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.bootstrap:
+            self.bootstrap.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.sender is None:  # local request: nothing can read its pages
+            self._finish(req, self._abort_output(req, reason, status), out)
+            return
+        req.sender.abort(reason)
+        if req not in self.inflight:
+            req.drain_since = self.clock()
+            self.inflight.append(req)
+
+    def _finish_transfer(self, req: PrefillReq, state: KVPoll, out: list[ReqOutput]) -> None:
+        assert req.sender is not None
+        if req.abort_reason is not None:
+            output = self._abort_output(req, req.abort_reason, req.abort_status)
+        elif state is KVPoll.Success:
+            output = transferred(req)
+        else:
+            reason = req.sender.failure_reason or "unknown reason"
+            output = failed(req.rid, f"{req.name()}: KV transfer failed: {reason}", 503, req.prompt_len, req.cached)
+        self._finish(req, output, out)
+
+    def _abort_output(self, req: PrefillReq, reason: str, status: int | None) -> ReqOutput:
+        if status is None:
+            return aborted(req, reason)
+        return failed(req.rid, f"{req.name()}: {reason}", status, req.prompt_len, req.cached)
+
+    def _finish(self, req: PrefillReq, output: ReqOutput, out: list[ReqOutput]) -> None:
+        """The single release of everything ``req`` holds, and its last reply."""
+        if req.finished:
+            raise AssertionError(f"{req.name()} finished twice")
+        req.finished = True
+        if req.kv is not None:
+            self.memory.release(req.kv, req.input_ids)  # computed full pages join the prefix cache
+        del self.reqs[req.rid]
+        if output.http_status is not None:
+            self.counters.failed += 1
+        elif output.finish is not None and output.finish.type == "abort":
+            self.counters.aborted += 1
+        else:
+            self.counters.finished += 1
+        out.append(output)
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Pools consistent, each live request in exactly one queue, each row owned by one request."""
+        self.memory.check_integrity()
+        queues = [*self.bootstrap, *self.waiting, *self.inflight, *([self.chunked] if self.chunked else [])]
+        rids = [r.rid for r in queues]
+        assert len(rids) == len(set(rids)), f"a request is in two queues: {sorted(rids)}"
+        assert set(rids) == set(self.reqs), f"queues {sorted(rids)} != live requests {sorted(self.reqs)}"
+        rows = [r.kv.row for r in queues if r.kv is not None]
+        assert len(rows) == len(set(rows)), "two requests share a request row"
+        assert self.memory.req_to_token.num_used == len(rows), "request rows leaked"
+        assert all(r.kv is None for r in [*self.bootstrap, *self.waiting]), "a queued request holds KV"
+        if not queues:
+            alloc, cache = self.memory.allocator, self.memory.cache
+            assert alloc.num_used == cache.total_pages(), (
+                f"idle node: {alloc.num_used} pages allocated but {cache.total_pages()} cached")
+            assert cache.protected_pages() == 0, "idle node: cache pages still locked"

@@ -1,0 +1,83 @@
+"""What the prefill scheduler shows the ops endpoints (``common.sched.node_io.NodeStats``).
+
+Read between two steps by ``NodeIO.recv``, so every number describes one consistent state.
+Idle baseline of ``/debug/memory`` (what a leak test compares against): every queue empty,
+``held_pages == 0``, ``free_req_slots == total_req_slots``, ``transfer_rooms == 0``, and
+``free_pages + cached_pages == total_pages``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from common.sched.node_io import RateMeter
+from prefill_node.scheduler import PrefillScheduler
+
+
+class PrefillStats:
+    def __init__(self, sched: PrefillScheduler, transfer_rooms: Callable[[], int] | None = None) -> None:
+        self._s = sched
+        self._rooms = transfer_rooms or (lambda: 0)
+        self._meter = RateMeter()
+        self._seen_tokens = 0
+
+    def observe_step(self) -> None:
+        """Call once per loop iteration: feeds the prefill throughput window."""
+        done = self._s.counters.prompt_tokens
+        self._meter.add(done - self._seen_tokens)
+        self._seen_tokens = done
+
+    def _held_pages(self, inflight_only: bool = False) -> int:
+        s = self._s
+        reqs = s.inflight if inflight_only else list(s.reqs.values())
+        return sum(len(r.kv.pages) for r in reqs if r.kv is not None)
+
+    def load(self) -> dict[str, int]:
+        s = self._s
+        return {
+            "num_reqs": len(s.reqs),
+            "num_waiting_reqs": len(s.bootstrap) + len(s.waiting),
+            "num_tokens": self._held_pages() * s.memory.page_size,
+        }
+
+    def memory(self) -> dict:
+        s = self._s
+        return {
+            **s.memory.stats(),
+            "held_pages": self._held_pages(),  # pages owned by live requests (not the cache)
+            "transfer_pages": self._held_pages(inflight_only=True),  # ... of which a transfer may read
+            "bootstrap_reqs": len(s.bootstrap),
+            "waiting_reqs": len(s.waiting),
+            "chunked_reqs": int(s.chunked is not None),
+            "inflight_reqs": len(s.inflight),
+            "live_reqs": len(s.reqs),
+            "transfer_rooms": self._rooms(),
+        }
+
+    def metrics(self) -> dict[str, float]:
+        s, c = self._s, self._s.counters
+        mem = s.memory
+        total = mem.allocator.num_total
+        return {
+            "num_running_reqs": float(len(s.inflight) + (s.chunked is not None)),
+            "num_waiting_reqs": float(len(s.bootstrap) + len(s.waiting)),
+            "num_bootstrap_reqs": float(len(s.bootstrap)),
+            "num_transfer_reqs": float(len(s.inflight)),
+            "token_usage": 1.0 - mem.available_pages() / total if total else 0.0,
+            "gen_throughput": self._meter.rate(),  # prompt tokens computed per second
+            "finished_reqs_total": float(c.finished),
+            "failed_reqs_total": float(c.failed),
+            "aborted_reqs_total": float(c.aborted),
+            "rejected_reqs_total": float(c.rejected),
+            "prompt_tokens_total": float(c.prompt_tokens),
+            "cached_tokens_total": float(c.cached_tokens),
+            "forward_seconds_total": c.forward_s,
+            "forwards_total": float(c.forwards),
+        }
+
+    def flush_cache(self) -> tuple[bool, str]:
+        s = self._s
+        if s.reqs:
+            return False, f"{len(s.reqs)} requests are in flight; flush when the node is idle"
+        if not s.memory.cache.reset():
+            return False, "the prefix cache is locked"
+        return True, "prefix cache flushed"

@@ -1,0 +1,503 @@
+"""PrefillScheduler on hand-made inputs: real KV bookkeeping, a stub engine, senders whose state the test sets.
+
+Each scenario drives ``step`` and checks the replies, what was sent for each room (pages in order,
+each once, aux on the last chunk), and ``check_integrity`` after every step.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.engine.driver import SampleSpec
+from common.engine.model_runner import ExtendChunk
+from common.engine.sampler import SampledToken
+from common.kvcache.allocator import PageAllocator
+from common.kvcache.radix_cache import RadixCache
+from common.kvcache.req_kv import KVMemory
+from common.kvcache.req_to_token import ReqToTokenPool
+from common.protocol import AbortReq, GenerateReq, ReqOutput
+from common.request import SamplingParams
+from common.sched.prefill_adder import PrefillBudget
+from common.sched.stop import StopChecker
+from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
+from prefill_node.stats import PrefillStats
+from transfer.aux import AuxRecord
+from transfer.base import KVSender
+from transfer.errors import TransferError
+from transfer.poll import KVPoll
+
+EOS = 99  # never sampled by the stub engine (its tokens are < 50)
+
+
+class StubSender(KVSender):
+    """A room whose state the test moves; ``writing`` models a write in flight (the fence)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.state = KVPoll.Bootstrapping
+        self.reason: str | None = None
+        self.sent: list[tuple[list[int], bool, AuxRecord | None]] = []
+        self.aborts: list[str] = []
+        self.writing = False
+
+    def send(self, page_indices: Sequence[int], last_chunk: bool, aux: AuxRecord | None = None,
+             state_indices: Sequence[int] = ()) -> None:
+        assert self.state in (KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Failed), self.state
+        assert not any(last for _, last, _ in self.sent), "send after the last chunk"
+        self.sent.append((list(page_indices), last_chunk, aux))
+        if self.state is not KVPoll.Failed:
+            self.state = KVPoll.Transferring
+
+    def poll(self) -> KVPoll:
+        if self.state is KVPoll.Failed and self.writing:
+            return KVPoll.Transferring
+        return self.state
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self.aborts.append(reason)
+        if not self.state.terminal:
+            self.state, self.reason = KVPoll.Failed, reason
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self.reason if self.state is KVPoll.Failed else None
+
+    def fail(self, reason: str) -> None:
+        self.state, self.reason = KVPoll.Failed, reason
+
+    @property
+    def pages(self) -> list[int]:
+        return [p for pages, _, _ in self.sent for p in pages]
+
+
+class Senders:
+    def __init__(self) -> None:
+        self.by_room: dict[int, StubSender] = {}
+
+    def __call__(self, room: int) -> StubSender:
+        if room in self.by_room and not self.by_room[room].state.terminal:
+            raise TransferError("room is already in flight on this prefill rank", room)
+        s = self.by_room[room] = StubSender(room)
+        return s
+
+
+class StubEngine:
+    """Records each forward; the sampled token is a function of the prompt so tests can predict it."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, list[int], int, bool]]] = []  # (row, ids, prefix, sampled)
+        self.fail_next = False
+
+    def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device fault")
+        self.calls.append([(c.row, list(c.input_ids), c.prefix_len, s is not None) for c, s in zip(chunks, specs)])
+        out: list[SampledToken | None] = []
+        for s in specs:
+            if s is None:
+                out.append(None)
+                continue
+            tok = token_for(list(s.prompt_ids or []))
+            top = [(tok, -0.25), (tok + 1, -1.5)][: s.params.top_logprobs_num]
+            out.append(SampledToken(tok, -0.25 if s.params.return_logprob else None, top))
+        return out
+
+
+def token_for(prompt: list[int]) -> int:
+    return sum(prompt) % 50
+
+
+class Node:
+    def __init__(self, page_size: int = 4, pages: int = 64, rows: int = 8, ctx: int = 256, max_tokens: int = 64,
+                 chunk: int | None = None, policy: str = "fcfs", timeout_s: float = 5.0) -> None:
+        alloc = PageAllocator(pages + 1)  # + the reserved page 0
+        self.memory = KVMemory(alloc, ReqToTokenPool(rows, ctx, "cpu"), RadixCache(alloc, page_size), page_size)
+        self.engine = StubEngine()
+        self.senders = Senders()
+        self.now = 0.0
+        cfg = PrefillSchedConfig(PrefillBudget(max_tokens, chunk), policy, timeout_s, aux_top_k=2)  # type: ignore[arg-type]
+        self.sched = PrefillScheduler(self.engine, self.memory, self.senders, StopChecker([EOS]), cfg, clock=lambda: self.now)
+        self.stats = PrefillStats(self.sched)
+        self.replies: dict[str, ReqOutput] = {}
+
+    def step(self, *msgs: GenerateReq | AbortReq) -> list[ReqOutput]:
+        out = self.sched.step(list(msgs))
+        for o in out:
+            assert o.rid not in self.replies, f"{o.rid} answered twice"
+            self.replies[o.rid] = o
+        self.sched.check_integrity()
+        return out
+
+    def sender(self, room: int) -> StubSender:
+        return self.senders.by_room[room]
+
+    def ready(self, *rooms: int) -> None:
+        for r in rooms:
+            self.sender(r).state = KVPoll.WaitingForInput
+
+    def assert_idle(self) -> None:
+        assert not self.sched.reqs
+        mem = self.stats.memory()
+        assert mem["held_pages"] == 0 and mem["free_req_slots"] == mem["total_req_slots"]
+        assert mem["free_pages"] + mem["cached_pages"] == mem["total_pages"]
+        assert mem["locked_pages"] == 0
+
+
+def gen(rid: str, ids: list[int], room: int | None = None, max_new: int = 8, **kw: object) -> GenerateReq:
+    return GenerateReq(rid=rid, input_ids=ids, sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0),
+                       bootstrap_host=None if room is None else "127.0.0.1", bootstrap_port=None if room is None else 8998,
+                       bootstrap_room=room, **kw)  # type: ignore[arg-type]
+
+
+def prompt(n: int, base: int = 1) -> list[int]:
+    return [(base + i) % 200 + 100 for i in range(n)]
+
+
+# ---- the happy path --------------------------------------------------------------------------
+
+
+def test_bootstrap_forward_transfer_release() -> None:
+    node = Node(page_size=4)
+    ids = prompt(10)
+    assert node.step(gen("a", ids, room=7, return_logprob=True, top_logprobs_num=2)) == []
+    assert node.engine.calls == [], "no forward before the decode said where to write"
+    assert node.stats.load() == {"num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": 0}
+    node.ready(7)
+    assert node.step() == []
+    s = node.sender(7)
+    kv = node.sched.inflight[0].kv
+    assert kv is not None and len(kv.pages) == 3
+    assert s.sent == [(kv.pages, True, AuxRecord(room=7, token_id=token_for(ids), cached_tokens=0, logprob=-0.25,
+                                                 top_ids=(token_for(ids), token_for(ids) + 1), top_logprobs=(-0.25, -1.5)))]
+    assert node.engine.calls == [[(kv.row, ids, 0, True)]]
+    assert node.step() == [], "no reply before the transfer finished"
+    assert node.stats.memory()["transfer_pages"] == 3
+    s.state = KVPoll.Success
+    (out,) = node.step()
+    assert out.rid == "a" and out.finish is not None and out.finish.to_json() == {"type": "length", "length": 0}
+    assert out.error is None and out.prompt_tokens == 10 and out.new_token_ids == []
+    node.assert_idle()
+    assert node.stats.memory()["cached_pages"] == 2  # the two full prompt pages stay for reuse
+
+
+@pytest.mark.parametrize("page_size,chunk,length", [(4, 4, 10), (4, 6, 14), (1, 3, 7), (16, 5, 40), (4, 8, 16)])
+def test_chunked_prefill_sends_each_page_once_in_order(page_size: int, chunk: int, length: int) -> None:
+    node = Node(page_size=page_size, chunk=chunk)
+    ids = prompt(length)
+    node.step(gen("a", ids, room=1))
+    node.ready(1)
+    steps = 0
+    while node.sched.chunked is not None or steps == 0:
+        node.step()
+        steps += 1
+        s = node.sender(1)
+        req = node.sched.chunked or node.sched.inflight[0]
+        assert req.kv is not None
+        # everything sent so far is whole pages of computed tokens (the partial page waits)
+        if node.sched.chunked is not None:
+            assert len(s.pages) == req.kv.kv_len // page_size
+    assert steps == -(-length // chunk)
+    s = node.sender(1)
+    kv = node.sched.inflight[0].kv
+    assert kv is not None
+    assert s.pages == kv.pages and len(kv.pages) == -(-length // page_size)
+    assert [last for _, last, _ in s.sent] == [False] * (len(s.sent) - 1) + [True]
+    assert all(aux is None for _, _, aux in s.sent[:-1]) and s.sent[-1][2] is not None
+    calls = [c for call in node.engine.calls for c in call]
+    assert [c[2] for c in calls] == list(range(0, length, chunk))  # prefix lengths
+    assert sum((c[1] for c in calls), []) == ids
+    assert [c[3] for c in calls] == [False] * (len(calls) - 1) + [True]  # sampled on the last chunk only
+    s.state = KVPoll.Success
+    node.step()
+    node.assert_idle()
+
+
+def test_second_request_reuses_the_cached_prefix_and_sends_those_pages_too() -> None:
+    node = Node(page_size=4)
+    a = prompt(12)
+    node.step(gen("a", a, room=1))
+    node.ready(1)
+    node.step()
+    cached_pages = node.sched.inflight[0].kv.pages[:2]  # type: ignore[union-attr]
+    node.sender(1).state = KVPoll.Success
+    node.step()
+    b = a[:8] + prompt(5, base=50)
+    node.step(gen("b", b, room=2))
+    node.ready(2)
+    node.step()
+    req = node.sched.inflight[0]
+    assert req.kv is not None and req.kv.num_cached == 8
+    assert node.engine.calls[-1] == [(req.kv.row, b[8:], 8, True)]  # only the new tokens run
+    s = node.sender(2)
+    assert s.pages[:2] == cached_pages and s.pages == req.kv.pages
+    assert s.sent[-1][2] is not None and s.sent[-1][2].cached_tokens == 8
+    s.state = KVPoll.Success
+    (out,) = node.step()
+    assert out.cached_tokens == 8
+    node.assert_idle()
+    assert node.sched.counters.cached_tokens == 8
+
+
+def test_token_budget_splits_batches() -> None:
+    node = Node(max_tokens=16)
+    node.step(*(gen(f"r{i}", prompt(8, base=10 * i), room=i) for i in range(3)))
+    node.ready(0, 1, 2)
+    node.step()
+    assert [len(c[1]) for c in node.engine.calls[0]] == [8, 8]
+    node.step()
+    assert [len(c[1]) for c in node.engine.calls[1]] == [8]
+    for i in range(3):
+        node.sender(i).state = KVPoll.Success
+    node.step()
+    node.assert_idle()
+
+
+@pytest.mark.parametrize("policy,first", [("fcfs", "x"), ("lpm", "y")])
+def test_policy_order(policy: str, first: str) -> None:
+    node = Node(page_size=4, max_tokens=12, policy=policy)
+    hot = prompt(12, base=70)
+    node.step(gen("warm", hot, room=1))
+    node.ready(1)
+    node.step()
+    node.sender(1).state = KVPoll.Success
+    node.step()
+    x, y = prompt(11, base=5), hot[:8] + prompt(4, base=33)
+    node.step(gen("x", x, room=2), gen("y", y, room=3))
+    node.ready(2, 3)
+    node.step()  # the budget takes one of them (11 new tokens for x, 4 for y; y then x would be 15)
+    ran = node.engine.calls[-1][0][1]
+    assert ran == (x if first == "x" else y[8:])
+
+
+def test_kv_capacity_counts_pages_held_by_transfers() -> None:
+    node = Node(page_size=4, pages=6)
+    node.step(gen("a", prompt(16), room=1))
+    node.ready(1)
+    node.step()  # a holds 4 of 6 pages while its transfer runs
+    node.step(gen("b", prompt(12, base=40), room=2))
+    node.ready(2)
+    node.step()
+    assert len(node.engine.calls) == 1, "b needs 3 pages, only 2 are free"
+    assert [r.rid for r in node.sched.waiting] == ["b"]
+    node.sender(1).state = KVPoll.Success
+    node.step()  # a releases (3 full pages cached, evictable); b fits by evicting
+    assert len(node.engine.calls) == 2
+    node.sender(2).state = KVPoll.Success
+    node.step()
+    node.assert_idle()
+
+
+# ---- failure, abort, timeout -------------------------------------------------------------------
+
+
+BLOCKER = 99  # room of a request that holds every page while the one under test waits
+
+
+def _to_stage(node: Node, stage: str, length: int = 10) -> None:
+    """Bring request "a" (room 1) into ``stage``; "waiting" uses a blocker that holds the pool."""
+    if stage == "waiting":
+        node.step(gen("blocker", prompt(node.memory.allocator.num_total * node.memory.page_size, base=90), room=BLOCKER))
+        node.ready(BLOCKER)
+        node.step()
+        assert node.sched.inflight and node.memory.available_pages() == 0
+    node.step(gen("a", prompt(length), room=1))
+    if stage == "bootstrap":
+        return
+    node.ready(1)
+    node.step()
+    assert (node.sched.chunked is not None) == (stage == "chunked")
+    assert [r.rid for r in node.sched.waiting] == (["a"] if stage == "waiting" else [])
+    assert ([r.rid for r in node.sched.inflight] == ["a"]) == (stage == "inflight")
+
+
+def _release_blocker(node: Node) -> None:
+    if BLOCKER in node.senders.by_room:
+        node.sender(BLOCKER).state = KVPoll.Success
+        node.step()
+        node.replies.pop("blocker")
+
+
+@pytest.mark.parametrize("stage", ["bootstrap", "waiting", "chunked", "inflight"])
+def test_failed_room_in_any_queue_releases_once_with_503(stage: str) -> None:
+    node = Node(page_size=4, chunk=4 if stage == "chunked" else None)
+    _to_stage(node, stage)
+    node.sender(1).fail("decode 10.0.0.2:17000 unreachable")
+    (out,) = node.step()
+    assert out.http_status == 503 and out.finish is not None and out.finish.type == "abort"
+    assert out.error is not None and "room 1" in out.error and "unreachable" in out.error
+    _release_blocker(node)
+    node.assert_idle()
+    assert node.step() == []
+
+
+@pytest.mark.parametrize("stage", ["bootstrap", "waiting", "chunked", "inflight"])
+def test_abort_in_any_queue_waits_for_the_fence_then_releases_once(stage: str) -> None:
+    node = Node(page_size=4, chunk=4 if stage == "chunked" else None)
+    _to_stage(node, stage)
+    s = node.sender(1)
+    s.writing = stage in ("chunked", "inflight")  # a write of this room is in flight
+    out = node.step(AbortReq(rid="a"))
+    assert s.aborts == ["aborted by the client"]
+    if s.writing:
+        assert out == [] and node.stats.memory()["held_pages"] > 0, "pages kept while a write may read them"
+        assert node.sched.inflight and node.sched.chunked is None
+        calls = len(node.engine.calls)
+        assert node.step() == [] and len(node.engine.calls) == calls, "an aborted request computes nothing more"
+        s.writing = False
+        out = node.step()
+    (reply,) = out
+    assert reply.finish is not None and reply.finish.type == "abort" and reply.http_status is None
+    _release_blocker(node)
+    node.assert_idle()
+    assert node.step(AbortReq(rid="a")) == [], "an unknown rid is ignored"
+
+
+def test_transfer_timeout_aborts_the_room() -> None:
+    node = Node(timeout_s=2.0)
+    _to_stage(node, "inflight")
+    s = node.sender(1)
+    s.writing = True  # a hung write: the room stays Transferring after abort until it returns
+    node.now = 1.0
+    assert node.step() == [] and s.aborts == []
+    node.now = 2.5
+    assert node.step() == [] and s.aborts and "not done within 2 s" in s.aborts[0]
+    s.writing = False
+    (out,) = node.step()
+    assert out.http_status == 503 and "not done within 2 s" in (out.error or "")
+    node.assert_idle()
+
+
+def test_forward_error_fails_the_batch_and_the_node_keeps_serving() -> None:
+    node = Node()
+    node.step(gen("a", prompt(6), room=1))
+    node.ready(1)
+    node.engine.fail_next = True
+    out = node.step(gen("b", prompt(6, base=9), max_new=1))  # b is local; both run in the failing forward
+    assert len(node.engine.calls) == 0
+    assert [o.rid for o in out] == ["b"] and out[0].http_status == 500 and "device fault" in (out[0].error or "")
+    (out_a,) = node.step()  # the room's abort took effect: released now
+    assert out_a.rid == "a" and out_a.http_status == 500
+    assert node.sender(1).aborts
+    node.assert_idle()
+    node.step(gen("c", prompt(6, base=3), room=2))
+    node.ready(2)
+    node.step()
+    node.sender(2).state = KVPoll.Success
+    (ok,) = node.step()
+    assert ok.rid == "c" and ok.error is None
+    node.assert_idle()
+
+
+def test_bad_input_is_rejected_before_any_pool_is_touched() -> None:
+    node = Node(page_size=4, pages=4, ctx=64)
+    before = node.stats.memory()
+    out = node.step(
+        gen("empty", [], room=1),
+        gen("long", prompt(65), room=2),
+        gen("big", prompt(20), room=3),  # 5 pages > 4
+        gen("local", prompt(4), room=None, max_new=5),
+    )
+    by = {o.rid: o for o in out}
+    assert set(by) == {"empty", "long", "big", "local"}
+    assert all(o.http_status == 400 for o in out)
+    assert "empty prompt" in by["empty"].error and "context length" in by["long"].error  # type: ignore[operator]
+    assert "KV pages" in by["big"].error and "router" in by["local"].error  # type: ignore[operator]
+    assert node.stats.memory() == before and not node.senders.by_room
+    node.step(gen("ok", prompt(4), room=5))
+    (dup,) = node.step(gen("dup", prompt(4), room=5))
+    assert dup.http_status == 400 and "already in flight" in (dup.error or "")
+
+
+def test_local_request_answers_the_first_token() -> None:
+    node = Node()
+    ids = prompt(5)
+    (out,) = node.step(gen("h", ids, room=None, max_new=1))  # answered in the step it arrives
+    assert out.new_token_ids == [token_for(ids)] and out.finish is not None and out.finish.type == "length"
+    node.assert_idle()
+
+
+def test_local_request_stops_on_eos() -> None:
+    node = Node()
+    ids = [49, 50, 0]  # the stub engine samples sum % 50 == 49
+    node.sched.stop = StopChecker([49])
+    (out,) = node.step(gen("h", ids, room=None, max_new=1))  # answered in the step it arrives
+    assert out.finish is not None and out.finish.to_json() == {"type": "stop", "matched": 49}
+
+
+def test_flush_cache_only_when_idle() -> None:
+    node = Node()
+    node.step(gen("a", prompt(9), room=1))
+    assert node.stats.flush_cache()[0] is False
+    node.ready(1)
+    node.step()
+    node.sender(1).state = KVPoll.Success
+    node.step()
+    assert node.stats.memory()["cached_pages"] == 2
+    assert node.stats.flush_cache() == (True, "prefix cache flushed")
+    assert node.stats.memory()["cached_pages"] == 0
+    node.assert_idle()
+
+
+# ---- random interleavings -----------------------------------------------------------------------
+
+EVENT = st.one_of(
+    st.tuples(st.just("new"), st.integers(1, 40), st.integers(0, 3)),  # length, prefix family
+    st.tuples(st.just("ready"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("success"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("fail"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("writing"), st.integers(0, 30), st.integers(0, 1)),
+    st.tuples(st.just("step"), st.just(0), st.just(0)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=st.lists(EVENT, max_size=40), page_size=st.sampled_from([1, 4]), chunk=st.sampled_from([None, 3, 8]))
+def test_any_interleaving_releases_everything_exactly_once(events: list, page_size: int, chunk: int | None) -> None:
+    node = Node(page_size=page_size, pages=24, rows=4, chunk=chunk, max_tokens=16)
+    rooms: list[int] = []  # accepted rooms
+    sent = 0
+    for kind, a, b in events:
+        if kind == "new":
+            room, sent = sent, sent + 1
+            node.step(gen(f"r{room}", prompt(a, base=b * 37)[:a], room=room))
+            if room in node.senders.by_room:
+                rooms.append(room)
+            else:  # longer than the whole pool: refused at once
+                assert node.replies[f"r{room}"].http_status == 400 and a > 24
+        elif rooms:
+            room = rooms[a % len(rooms)]
+            s = node.sender(room)
+            if kind == "ready" and s.state is KVPoll.Bootstrapping:
+                s.state = KVPoll.WaitingForInput
+            elif kind == "success" and s.state is KVPoll.Transferring and s.sent and s.sent[-1][1]:
+                s.state = KVPoll.Success
+            elif kind == "fail" and not s.state.terminal:
+                s.fail("injected")
+            elif kind == "abort":
+                node.step(AbortReq(rid=f"r{room}"))
+            elif kind == "writing":
+                s.writing = bool(b)
+        if kind == "step":
+            node.step()
+    # Drain: every room finishes one way or another.
+    for s in node.senders.by_room.values():
+        s.writing = False
+        if s.state is KVPoll.Bootstrapping:
+            s.state = KVPoll.WaitingForInput
+    for _ in range(200):
+        if not node.sched.reqs:
+            break
+        for s in node.senders.by_room.values():
+            if s.state is KVPoll.Transferring and s.sent and s.sent[-1][1]:
+                s.state = KVPoll.Success
+        node.step()
+    node.assert_idle()
+    assert set(node.replies) == {f"r{r}" for r in range(sent)}
+    for s in node.senders.by_room.values():
+        if s.state is KVPoll.Success:
+            assert s.sent and s.sent[-1][1] and len(s.pages) == len(set(s.pages))
