@@ -26,7 +26,10 @@ Contract for scheduler authors
     None`` marks a *local* request (``/health_generate``, a client talking to the node
     directly): the scheduler either serves it without any transfer or finishes it at once with
     ``error`` + ``http_status`` 400. ``sampling.stop`` strings must be checked by the scheduler
-    too (it has to stop generating); the API only trims the text.
+    too (it has to stop generating); the API only trims the text. ``return_logprob`` and
+    ``top_logprobs_num`` are mirrored in ``sampling``; ``sampling.n`` is always 1. ``stream``
+    says whether the client streams: a scheduler may send a non-streamed request's tokens in
+    fewer, larger ``ReqOutput``s (the API handles any split).
 ``AbortReq``
     Stop ``rid`` and release everything it holds. Sent on client disconnect and
     ``/abort_request``. The scheduler answers with a final ``ReqOutput`` (``finish.type ==
@@ -35,7 +38,8 @@ Contract for scheduler authors
     Drop the prefix cache. Answered with ``QueryReply(query_id, {"success": bool, "message":
     str})`` (``success`` is false while requests are running).
 ``QueryReq``
-    Answered with ``QueryReply(query_id, payload)``; payload keys by ``what``:
+    The API sends ``"load"`` queries from start-up until the first answer and reports
+    ``/health`` 503 until then: answer only once requests can be served (model loaded). Answered with ``QueryReply(query_id, payload)``; payload keys by ``what``:
       - ``"load"``: ``{"num_reqs": int, "num_waiting_reqs": int, "num_tokens": int}``
         (running + queued requests, queued only, tokens held in the KV pool).
       - ``"memory"``: whatever the pools' counters are (free/used/cached pages, request slots,
@@ -60,7 +64,7 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar, Union
+from typing import Generic, Literal, TypeVar
 
 import msgspec
 
@@ -100,7 +104,7 @@ class QueryReq(msgspec.Struct, tag="query", **_STRUCT_OPTS):
     what: Literal["load", "memory", "metrics"]
 
 
-ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, QueryReq]
+ToScheduler = GenerateReq | AbortReq | FlushCacheReq | QueryReq
 
 
 # ---- scheduler -> API --------------------------------------------------------------------------
@@ -128,7 +132,7 @@ class QueryReply(msgspec.Struct, tag="query_reply", **_STRUCT_OPTS):
     payload: dict
 
 
-FromScheduler = Union[BatchOutput, QueryReply]
+FromScheduler = BatchOutput | QueryReply
 
 
 # ---- encoding ----------------------------------------------------------------------------------

@@ -129,9 +129,6 @@ class Inflight:
             self.client.abort(r)
         return rids
 
-    def first_failure(self) -> SubState | None:
-        return next((s for s in self.states if s.failed), None)
-
 
 class _ClosingStream(StreamingResponse):
     """Closes the Inflight however the response ends, even if the body never started."""
@@ -168,13 +165,14 @@ async def serve(request: Request, req: ParsedRequest, client: SchedulerClient, t
 
 async def _whole(inflight: Inflight, tok: TokenizerLike) -> Response:
     while not inflight.done:
-        if await inflight.next() is None:
+        ev = await inflight.next()
+        if ev is None:
             inflight.status = CLIENT_CLOSED
             return Response(status_code=CLIENT_CLOSED)
-    failed = inflight.first_failure()
-    if failed is not None:
-        inflight.status = failed.http_status or 500
-        return error_response(inflight.status, failed.error or "generation failed")
+        s, _ = ev
+        if s.failed:  # answer now; close() aborts the other sequences (decode role)
+            inflight.status = s.http_status or 500
+            return error_response(inflight.status, s.error or "generation failed")
     return JSONResponse(whole_body(inflight.req, inflight.states, tok))
 
 

@@ -44,8 +44,10 @@ def run_api_server(cfg: ApiConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer
     client = SchedulerClient(endpoints.to_scheduler, endpoints.from_scheduler, scheduler_alive)
     app = create_app(cfg, client, tokenizer)
     level = envs.LOG_LEVEL.get().lower()
-    # access_log off: one line per request costs more than the request on a tiny model.
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level, access_log=False, timeout_keep_alive=60)
+    # access_log off: one line per request costs more than the request on a tiny model. A bounded
+    # graceful shutdown: a long stream must not keep a stopping node alive.
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level, access_log=False, timeout_keep_alive=60,
+                timeout_graceful_shutdown=5)
 
 
 def main(argv: list[str] | None = None) -> int:

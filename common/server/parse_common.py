@@ -4,7 +4,7 @@ Everything here is pure: a JSON body (already decoded) plus the tokenizer and co
 ``ParsedRequest`` (a list of ``SubRequest`` the scheduler can run as-is) out, or ``ApiError(400)``
 naming the first bad field. Nothing reaches the scheduler before parsing succeeded.
 
-Length policy (documented in docs/ARCHITECTURE.md as well): a prompt must be non-empty and
+Length policy: a prompt must be non-empty and
 strictly shorter than ``context_length``; ``max_new_tokens`` (however the API spells it) is
 clipped to ``context_length - prompt_len`` so a too-large value ends with finish reason
 ``length`` instead of an error. Clipping is deterministic, so the prefill and decode nodes that

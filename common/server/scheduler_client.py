@@ -152,12 +152,20 @@ class SchedulerClient:
         assert self._push is not None
         while True:
             msg = await self._outbox.get()
-            await self._push.send(encode(msg), copy=False)
+            try:
+                await self._push.send(encode(msg), copy=False)
+            except zmq.ZMQError:  # keep the loop: one failed send must not silence the link
+                logger.exception("could not send %s to the scheduler", type(msg).__name__)
 
     async def _recv_loop(self) -> None:
         assert self._pull is not None
         while True:
-            buf = await self._pull.recv(copy=True)
+            try:
+                buf = await self._pull.recv(copy=True)
+            except zmq.ZMQError:
+                logger.exception("receiving from the scheduler failed")
+                await asyncio.sleep(0.1)
+                continue
             try:
                 self._dispatch(buf)
             except Exception:  # a bug in dispatch must not stop all future output

@@ -251,3 +251,16 @@ def test_chat_text_parts_and_logprobs(cfg: ApiConfig, tok: Tokenizer) -> None:
 ])
 def test_chat_rejects(cfg: ApiConfig, tok: Tokenizer, body: Any, needles: list[str]) -> None:
     bad(parse_chat, body, cfg, tok, *needles)
+
+
+def test_api_config_from_node_config(tiny_qwen3: str) -> None:
+    from common.config import ModelConfig, NodeConfig, ServerConfig, TransferConfig
+
+    node = NodeConfig(role="prefill", model=ModelConfig(model_path=tiny_qwen3, served_model_name="tiny"),
+                      server=ServerConfig(port=31000), transfer=TransferConfig(bootstrap_port=9100))
+    api = ApiConfig.from_node_config(node)
+    assert (api.role, api.model_name, api.port, api.bootstrap_port) == ("prefill", "tiny", 31000, 9100)
+    assert api.context_length == 2048 and api.model_type == "qwen3"  # from config.json
+    assert api.architectures == ("Qwen3ForCausalLM",) and api.server_info_extra["page_size"] == 16
+    node = NodeConfig(role="decode", model=ModelConfig(model_path=tiny_qwen3, context_length=512))
+    assert ApiConfig.from_node_config(node).context_length == 512

@@ -1,0 +1,433 @@
+"""The API process for real: uvicorn in a subprocess, linked over ZMQ ipc to a fake scheduler process
+(tests/integration/_fake_scheduler.py), driven over loopback HTTP.
+
+The fake scheduler's tokens are predictable: token k of a request is
+``ALPHABET[(sum(input_ids) + k) % len(ALPHABET)]`` — so every expected text below is the tokenizer's
+own decode of ids computed here, independent of the server. The fake logs every message it gets,
+which is how the tests see what reached the scheduler (and what did not).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from common.protocol import IpcEndpoints
+from common.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WORDS = [" cache", " node", " page", " the", " token"]
+STARTUP_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Node:
+    url: str
+    log: Path
+    api: subprocess.Popen
+    fake: subprocess.Popen
+    stderr: Path
+    stderr_file: Any
+
+    def received(self, kind: str | None = None) -> list[dict]:
+        lines = [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()]
+        return [m for m in lines if kind is None or m.get("type") == kind]
+
+    def wait_received(self, kind: str, pred: Any, timeout: float = 5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self.received(kind):
+                if pred(m):
+                    return m
+            time.sleep(0.05)
+        raise AssertionError(f"no {kind} message matching within {timeout} s; got {self.received()}")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def spawn_node(tmp: Path, model_dir: str, role: str, alphabet: list[int], step_s: float,
+               watch_scheduler: bool = False) -> Node:
+    """Start the fake scheduler and the API process; ``wait_healthy`` waits for them."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    ep = IpcEndpoints.fresh(str(tmp))
+    log, stderr = tmp / "fake.jsonl", tmp / "stderr.txt"
+    log.touch()
+    env = dict(os.environ, PDC_LOG_LEVEL="WARNING")
+    err = open(stderr, "w")
+    fake = subprocess.Popen(
+        [sys.executable, str(HERE / "_fake_scheduler.py"), "--to-scheduler", ep.to_scheduler,
+         "--from-scheduler", ep.from_scheduler, "--log", str(log), "--alphabet", ",".join(map(str, alphabet)),
+         "--role", role, "--step-s", str(step_s)], cwd=REPO, env=env, stdout=err, stderr=err)
+    port = free_port()
+    cmd = [sys.executable, "-m", "common.server", "--role", role, "--model-path", model_dir, "--port", str(port),
+           "--to-scheduler", ep.to_scheduler, "--from-scheduler", ep.from_scheduler,
+           "--disaggregation-bootstrap-port", "8123", "--health-generate-timeout", "5"]
+    if watch_scheduler:
+        cmd += ["--scheduler-pid", str(fake.pid)]
+    try:
+        api = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=err, stderr=err)
+    except BaseException:
+        _kill(fake)
+        raise
+    return Node(f"http://127.0.0.1:{port}", log, api, fake, stderr, err)
+
+
+def wait_healthy(node: Node) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        for p in (node.api, node.fake):
+            if p.poll() is not None:
+                raise RuntimeError(f"process {p.args[:3]} exited early:\n{node.stderr.read_text()}")
+        try:
+            if httpx.get(node.url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"API not healthy in {STARTUP_S} s:\n{node.stderr.read_text()}")
+        time.sleep(0.2)
+
+
+def stop_node(node: Node) -> None:
+    for p in (node.api, node.fake):
+        _kill(p)
+    node.stderr_file.close()
+
+
+@pytest.fixture(scope="module")
+def alphabet(tiny_qwen3: str) -> list[int]:
+    # The bare Rust tokenizer: no transformers import before the node processes start.
+    from tokenizers import Tokenizer as RustTokenizer
+
+    rust = RustTokenizer.from_file(os.path.join(tiny_qwen3, "tokenizer.json"))
+    return [rust.encode(w, add_special_tokens=False).ids[0] for w in WORDS]
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: str, alphabet: list[int]) -> Iterator[dict[str, Node]]:
+    """Both roles, started together (start-up is mostly imports; they overlap). The decode node
+    watches its scheduler's pid: the last test of this file kills that scheduler."""
+    started: dict[str, Node] = {}
+    try:
+        started["decode"] = spawn_node(tmp_path_factory.mktemp("decode"), tiny_qwen3, "decode", alphabet,
+                                       step_s=0.005, watch_scheduler=True)
+        started["prefill"] = spawn_node(tmp_path_factory.mktemp("prefill"), tiny_qwen3, "prefill", alphabet,
+                                        step_s=0.3)
+        yield started
+    finally:
+        for node in started.values():
+            stop_node(node)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen3: str, nodes: dict[str, Node]) -> Tokenizer:
+    return Tokenizer(tiny_qwen3)  # loads while the nodes start
+
+
+@pytest.fixture(scope="module")
+def decode(nodes: dict[str, Node], tok: Tokenizer) -> Node:
+    wait_healthy(nodes["decode"])
+    return nodes["decode"]
+
+
+@pytest.fixture(scope="module")
+def prefill(nodes: dict[str, Node], tok: Tokenizer) -> Node:
+    wait_healthy(nodes["prefill"])
+    return nodes["prefill"]
+
+
+def expected_ids(alphabet: list[int], prompt_ids: list[int], n: int) -> list[int]:
+    return [alphabet[(sum(prompt_ids) + k) % len(alphabet)] for k in range(n)]
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    """Parse an SSE body; the final element is the string "[DONE]"."""
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    out: list[Any] = []
+    for block in resp.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    assert out and out[-1] == "[DONE]"
+    return out
+
+
+def post(node: Node, path: str, body: Any, timeout: float = 30) -> httpx.Response:
+    return httpx.post(node.url + path, json=body, timeout=timeout)
+
+
+# ---- ops endpoints ------------------------------------------------------------------------------
+
+
+def test_ops_endpoints(decode: Node, tiny_qwen3: str) -> None:
+    get = lambda p: httpx.get(decode.url + p, timeout=10)  # noqa: E731
+    assert get("/health").status_code == 200
+    info = get("/server_info").json()
+    assert info == {**get("/get_server_info").json(), "uptime_s": info["uptime_s"]}
+    assert info["disaggregation_mode"] == "decode" and info["disaggregation_bootstrap_port"] == 8123
+    assert info["model_path"] == tiny_qwen3 and info["dp_size"] == 1 and info["context_length"] == 2048
+    model = get("/model_info").json()
+    assert model == get("/get_model_info").json()
+    assert model["architectures"] == ["Qwen3ForCausalLM"] and model["model_type"] == "qwen3"
+    assert model["is_generation"] is True and model["tokenizer_path"] == tiny_qwen3
+    assert get("/v1/models").json()["data"][0]["id"] == tiny_qwen3
+    assert get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    assert get("/debug/memory").json()["free_pages"] == 100
+    flushed = httpx.post(decode.url + "/flush_cache", timeout=10)
+    assert flushed.status_code == 200 and flushed.json()["success"] is True
+    assert get("/health_generate").status_code == 200
+    health_req = decode.received("generate")[-1]
+    assert health_req["rid"].startswith("HEALTH_CHECK_") and health_req["bootstrap_room"] is None
+    metrics = get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'pdc_scheduler_up{model_name="' in text and "} 1\n" in text.split("pdc_scheduler_up{")[1][:200]
+    assert "pdc_scheduler_token_usage" in text and "pdc_scheduler_gen_throughput" in text
+    assert "pdc_scheduler_not_a_number" not in text
+    assert "pdc_api_generation_tokens_total" in text and "pdc_api_inflight_sequences" in text
+
+
+# ---- /generate ----------------------------------------------------------------------------------
+
+
+def test_generate_whole_and_stream(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:
+    prompt = "the cache node"
+    pids = tok.encode(prompt)
+    want = expected_ids(alphabet, pids, 6)
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "rid": "gen-1",
+            "return_logprob": True}
+    r = post(decode, "/generate", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == want and out["text"] == tok.decode(want)
+    meta = out["meta_info"]
+    assert meta["id"] == "gen-1" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(pids), 6)
+    assert [x[1] for x in meta["output_token_logprobs"]] == want
+    sent = decode.wait_received("generate", lambda m: m["rid"] == "gen-1")
+    assert sent["input_ids"] == pids and sent["sampling"]["max_new_tokens"] == 6 and sent["return_logprob"]
+
+    s = post(decode, "/generate", {**body, "rid": "gen-2", "stream": True})
+    events = sse_events(s)[:-1]
+    assert [e["text"] for e in events] == [tok.decode(want[:k]) for k in range(1, 7)]  # cumulative
+    assert events[-1]["output_ids"] == want and events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generate_batch_with_n(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:
+    r = post(decode, "/generate", {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3, "n": 2}})
+    items = r.json()
+    assert isinstance(items, list) and [it["index"] for it in items] == [0, 1, 2, 3]
+    for it, prompt in zip(items, [[5, 6], [5, 6], [7], [7]]):
+        assert it["output_ids"] == expected_ids(alphabet, prompt, 3)
+
+
+def test_stop_string_and_stop_token(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:
+    pids = [5]
+    want = expected_ids(alphabet, pids, 8)
+    full = tok.decode(want)
+    stop = tok.decode([want[3]])[:3]  # the first characters of the 4th token
+    r = post(decode, "/generate", {"input_ids": pids, "sampling_params": {"max_new_tokens": 8, "stop": [stop]}})
+    assert r.json()["text"] == full[: full.index(stop)]
+    r = post(decode, "/generate", {"input_ids": pids, "sampling_params": {"max_new_tokens": 8,
+                                                                          "stop_token_ids": [want[2]]}})
+    out = r.json()
+    assert out["output_ids"] == want[:3] and out["text"] == tok.decode(want[:2])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": want[2]}
+
+
+# ---- OpenAI -------------------------------------------------------------------------------------
+
+
+def test_completions_whole_vs_stream(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:
+    body = {"model": None, "prompt": ["the", "cache"], "max_completion_tokens": 5, "n": 2, "temperature": 0.5,
+            "logprobs": 1, "ignore_eos": True, "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 4}
+    whole = post(decode, "/v1/completions", body).json()
+    assert whole["object"] == "text_completion"
+    texts = {c["index"]: c["text"] for c in whole["choices"]}
+    for i, p in enumerate(["the", "the", "cache", "cache"]):
+        assert texts[i] == tok.decode(expected_ids(alphabet, tok.encode(p), 5))
+    p_tokens = len(tok.encode("the")) + len(tok.encode("cache"))
+    assert whole["usage"]["prompt_tokens"] == p_tokens and whole["usage"]["completion_tokens"] == 20
+    events = sse_events(post(decode, "/v1/completions", {**body, "stream": True,
+                                                         "stream_options": {"include_usage": True}}))
+    streamed: dict[int, str] = {}
+    for e in events[:-2]:
+        for c in e["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == texts
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+    sent = [m for m in decode.received("generate") if m["input_ids"] == tok.encode("the")][-2:]
+    assert [m["sampling"].get("seed") for m in sent] == [4, 5]
+    assert sent[0]["sampling"]["top_k"] == 3 and sent[0]["sampling"]["ignore_eos"] is True
+
+
+def test_chat_router_style_n2(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:
+    msgs = [{"role": "user", "content": "hello there"}]
+    body = {"model": "unknown", "messages": msgs, "max_completion_tokens": 4, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": False, "tools": None,
+            "bootstrap_host": ["127.0.0.1", "127.0.0.1"], "bootstrap_port": [None, 9999],
+            "bootstrap_room": [2**64 - 2, 77]}
+    events = sse_events(post(decode, "/v1/chat/completions", body))
+    want = tok.decode(expected_ids(alphabet, tok.apply_chat_template(msgs), 4))
+    for idx in (0, 1):
+        mine = [e["choices"][0] for e in events[:-2] if e["choices"][0]["index"] == idx]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(c["delta"].get("content", "") for c in mine) == want
+        assert mine[-1]["finish_reason"] == "length"
+    sent = [m for m in decode.received("generate") if m["bootstrap_room"] in (2**64 - 2, 77)]
+    assert [(m["bootstrap_room"], m["bootstrap_port"], m["stream"]) for m in sent] == \
+        [(2**64 - 2, 8123, True), (77, 9999, True)]
+    whole = post(decode, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4}).json()
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": want}
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+BAD = [
+    ("/generate", {"text": ""}),
+    ("/generate", {"text": "a", "sampling_params": {"temperature": -1}}),
+    ("/generate", {"input_ids": list(range(3, 2100))}),
+    ("/generate", {"text": "a", "stream": "yes"}),
+    ("/generate", {"text": "the cache " * 2000}),  # > 16 KiB: parsed in a worker thread, then too long
+    ("/v1/completions", {"prompt": "a", "max_tokens": "many"}),
+    ("/v1/completions", {"model": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_p": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2, "bootstrap_host": "h",
+                              "bootstrap_room": 1}),
+]
+
+
+def test_bad_inputs_get_400_and_never_reach_the_scheduler(decode: Node) -> None:
+    before = len(decode.received("generate"))
+    for path, body in BAD:
+        for stream in (False, True):
+            r = post(decode, path, {**body, "stream": stream} if "stream" not in body else body)
+            assert r.status_code == 400, (path, body, r.text)
+            err = r.json()["error"]
+            assert err["code"] == 400 and err["type"] == "BadRequestError" and err["message"]
+    r = httpx.post(decode.url + "/generate", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    time.sleep(0.3)  # anything wrongly sent would have arrived by now
+    assert len(decode.received("generate")) == before
+
+
+def test_failed_transfer_is_a_5xx_naming_the_room(decode: Node) -> None:
+    body = {"text": "a", "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 1503}
+    for stream in (False, True):
+        r = post(decode, "/generate", {**body, "stream": stream})
+        assert r.status_code == 503 and r.headers["content-type"].startswith("application/json")
+        assert "room 1503" in r.json()["error"]["message"]
+    r = post(decode, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2,
+                                              "bootstrap_host": ["h", "h"], "bootstrap_room": [5, 2503]})
+    assert r.status_code == 503 and "room 2503" in r.json()["error"]["message"]
+
+
+# ---- disconnects, duplicates, aborts ------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_sends_abort(decode: Node) -> None:
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1500}, "stream": True, "rid": "disc-stream"}
+    with httpx.stream("POST", decode.url + "/generate", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert got  # tokens were flowing
+    decode.wait_received("abort", lambda m: m["rid"] == "disc-stream")
+    # and while waiting for a non-streamed answer
+    with pytest.raises(httpx.ReadTimeout):
+        post(decode, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1500}, "rid": "disc-whole"},
+             timeout=0.5)
+    decode.wait_received("abort", lambda m: m["rid"] == "disc-whole")
+    assert httpx.get(decode.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0
+
+
+def test_duplicate_rid_and_abort_request(decode: Node) -> None:
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1500}, "rid": "dup"}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, decode, "/generate", body)
+        decode.wait_received("generate", lambda m: m["rid"] == "dup")
+        second = post(decode, "/generate", body)
+        assert second.status_code == 400 and "already in flight" in second.json()["error"]["message"]
+        aborted = post(decode, "/abort_request", {"rid": "dup"})
+        assert aborted.json() == {"aborted": ["dup"]}
+        out = first.result(timeout=10).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 1500
+    assert len([m for m in decode.received("generate") if m["rid"] == "dup"]) == 1
+    assert post(decode, "/abort_request", {"rid": 5}).status_code == 400
+
+
+# ---- prefill role -------------------------------------------------------------------------------
+
+
+def test_prefill_answers_after_the_transfer(prefill: Node) -> None:
+    body = {"text": "the cache", "sampling_params": {"max_new_tokens": 8}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": None, "bootstrap_room": 42, "stream": True}
+    events = sse_events(post(prefill, "/generate", body))
+    assert len(events) == 2
+    assert events[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert events[0]["output_ids"] == [] and events[0]["text"] == ""
+    whole = post(prefill, "/generate", {**body, "stream": False, "bootstrap_room": 43}).json()
+    assert whole["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    chat = post(prefill, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                                  "bootstrap_host": "h", "bootstrap_room": 44})
+    chunks = sse_events(chat)[:-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    r = post(prefill, "/generate", {**body, "bootstrap_room": 3503})
+    assert r.status_code == 503 and "room 3503" in r.json()["error"]["message"]
+    assert [m["bootstrap_port"] for m in prefill.received("generate") if m["bootstrap_room"] == 42] == [8123]
+
+
+def test_prefill_runs_to_its_end_when_the_client_leaves(prefill: Node) -> None:
+    body = {"text": "a", "bootstrap_host": "h", "bootstrap_room": 45, "rid": "p-leave"}
+    with pytest.raises(httpx.ReadTimeout):
+        post(prefill, "/generate", body, timeout=0.05)
+    time.sleep(0.8)  # the fake prefill finishes after one 0.3 s step
+    assert not [m for m in prefill.received("abort") if m["rid"] == "p-leave"]
+    assert httpx.get(prefill.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0
+
+
+# ---- scheduler death ----------------------------------------------------------------------------
+
+
+def test_scheduler_death_fails_requests_with_503(decode: Node) -> None:
+    """Runs last in this file: it kills the decode node's scheduler (one API start-up fewer)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, decode, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1500},
+                                                          "rid": "orphan"})
+        decode.wait_received("generate", lambda m: m["rid"] == "orphan")
+        _kill(decode.fake)
+        r = pending.result(timeout=15)
+    assert r.status_code == 503 and "scheduler process exited" in r.json()["error"]["message"]
+    assert httpx.get(decode.url + "/health", timeout=5).status_code == 503
+    assert post(decode, "/generate", {"text": "a"}).status_code == 503
