@@ -1,32 +1,29 @@
-"""The decode node's scheduler: rooms in, tokens out. Plain data in (``add``/``abort``), plain data out
-(``step`` returns ``ReqOutput``s); the process loop in ``decode_node.process`` feeds it from ZMQ.
-
-Request lifecycle (one ``step`` moves every queue once, in this order)::
+"""The decode node's scheduler. Plain data in (``add``/``abort``), plain data out (``step`` returns
+``ReqOutput``s); ``decode_node.process`` feeds it from ZMQ. One ``step`` moves every queue once::
 
     GenerateReq ──add──> prealloc: KVReceiver(room) bootstraps (finds the prefill, registers our buffers)
         │  handshake done AND both memory checks pass (common.sched.decode_budget):
-        │      row + prompt pages + aux slot, receiver.init() sends TransferInfo
+        │      row + prompt pages + aux slot; receiver.init() sends TransferInfo
         v
-    transfer: poll() ── Failed ──> pages + aux slot freed, 503 naming the cause
-        │  Success: KV of the prompt is in our pages, the first token in the aux row
+    transfer: poll() ──Failed──> pages + aux slot freed, 503 naming the cause
+        │  Success: the prompt's KV is in our pages; the first token (aux row) is appended
         v
-    waiting ──prebuilt batch (no forward)──> first token appended, stop checked
+    waiting ──prebuilt batch: joins running without a forward (max_running_requests bounds it)
         v
-    running ──decode step: one token per request──> stop checked ──> finished: pages freed
+    running ──decode step: one token per request, stop checked──> finished: pages freed
         │  the pool cannot give every request its next page
         v
-    retracted: pages freed, tokens kept ──resume (before any new room)──> recompute prompt + output
+    retracted: pages freed, tokens kept ──resume, before any new room──> recompute prompt + output
         on this node (extend, no sampling) ──> running
-
-    local request (no bootstrap room, e.g. /health_generate) ──> retracted queue with no output:
-        its "recompute" is an ordinary prefill whose last chunk samples the first token
+    local request (no room, e.g. /health_generate): enters "retracted" with no output; its
+        recompute is a plain prefill whose last chunk samples the first token
 
 Aborts (client gone, /abort_request) are answered at once. A room whose TransferInfo is out may
 still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
-terminal state (the transfer layer's fence; bounded by its timeouts), then are freed exactly once.
+terminal state (the transfer layer's fence, bounded by its timeouts), then are freed once.
 
 Retraction resumes by **recompute**, not host offload: the decode node has the model anyway, no
-host pool has to be sized and budgeted, and recomputed KV gives the same greedy tokens (up to
+host pool must be sized and budgeted, and recomputed KV gives the same greedy tokens (up to
 near-ties). Offload would beat recompute for long contexts on a GPU; it is not built.
 """
 from __future__ import annotations
@@ -109,13 +106,16 @@ class DecodeScheduler:
             self.prealloc.append(r)
         self.reqs[r.rid] = r
 
-    def abort(self, rid: str, reason: str = "aborted") -> None:
-        """Answer at once; free what is ours now, fence what the prefill may still write."""
+    def abort(self, rid: str, reason: str = "aborted", http_status: int | None = None) -> None:
+        """Answer at once; free what is ours now, fence what the prefill may still write.
+        With ``http_status`` the answer is an error (e.g. 500 when the step itself failed)."""
         r = self.reqs.pop(rid, None)
         if r is None:
             return  # finished already, or never here
         self.counters["aborted"] += 1
         r.finish = FinishReason(type="abort", message=reason)
+        if http_status is not None:
+            r.error, r.http_status = reason, http_status
         self._emit(r)
         if r.stage in (Stage.PREALLOC, Stage.TRANSFER):
             self._remove(r)
@@ -126,6 +126,13 @@ class DecodeScheduler:
         else:
             self._remove(r)
             self._free(r)
+
+    def fail_all(self, reason: str) -> list[ReqOutput]:
+        """After an internal error: answer every live request with a 500 and release what it holds."""
+        for rid in list(self.reqs):
+            self.abort(rid, reason, http_status=500)
+        out, self._outbox = self._outbox, []
+        return out
 
     # ---- the step -------------------------------------------------------------------------------
 

@@ -1,0 +1,142 @@
+"""The decode node's scheduler process: build the engine, the KV receiver side and the loop that drives
+``DecodeScheduler`` from the API process's messages.
+
+::
+
+    NodeIO.recv (GenerateReq / AbortReq; queries answered inside)  ->  scheduler.add / abort
+    scheduler.step()  ->  NodeIO.send(outputs)                       (repeat; never blocks long)
+
+The loop waits for input only when no forward is pending (at most ``IDLE_WAIT_S``, so transfer
+states are still polled often), and exits when told to stop, on SIGTERM, or when the process
+that started it (the node's API process) is gone, so a killed node leaves no orphan behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from common import envs
+from common.config import NodeConfig
+from common.protocol import AbortReq, GenerateReq, IpcEndpoints
+from common.sched.decode_budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+from common.sched.node_io import NodeIO
+from common.sched.stop import StopChecker
+from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
+from decode_node.stats import DecodeStats
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.002  # longest wait for input while rooms are in flight but nothing can run
+AUX_TOP_K = 20  # top logprobs of the first token carried in the aux row; prefill and decode must agree
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Decode-only settings that have no home in ``NodeConfig``."""
+
+    reserved_decode_tokens: int = 128
+    # Request rows beyond max_running_requests, for rooms in transfer and waiting: without them a
+    # full running batch would stop all pre-allocation and the next requests' transfers.
+    prealloc_rows: int | None = None  # None -> max_running_requests
+    aux_top_k: int = AUX_TOP_K
+
+
+def advertise_host(host: str) -> str:
+    """The address peers should use to reach us: ``host`` unless it is a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outgoing interface
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class DecodeProcess:
+    """Everything the scheduler process owns; ``close`` releases it (manager threads, engine, sockets)."""
+
+    def __init__(self, cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints) -> None:
+        from common.engine.driver import EngineDriver
+        from common.engine.model_runner import ModelRunner
+        from common.engine.sampler import Sampler
+        from common.tokenizer import Tokenizer
+        from transfer import AuxPool, DecodeKVManager, HttpBootstrapClient, KVArgs, KVManagerConfig, create_data_plane
+
+        max_running = cfg.cache.max_running_requests
+        rows = max_running + (opts.prealloc_rows if opts.prealloc_rows is not None else max_running)
+        # Received KV is never cached here (see docs/ARCHITECTURE.md, "Decode node").
+        cache_cfg = replace(cfg.cache, max_running_requests=rows, enable_prefix_cache=False)
+        self.runner = ModelRunner(cfg.model, cache_cfg, cfg.attention)
+        tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
+        self.aux = AuxPool(rows, top_k=opts.aux_top_k)
+        host = advertise_host(cfg.server.host)
+        args = KVArgs(layout=self.runner.kv_pool.layout, kv=KVArgs.kv_from_pool(self.runner.kv_pool),
+                      aux=self.aux.buffers(), aux_top_k=opts.aux_top_k, host=host)
+        data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
+                                       device=envs.MOONCAKE_DEVICE.get())
+        self.manager = DecodeKVManager(args, data_plane, HttpBootstrapClient(),
+                                       KVManagerConfig.from_transfer_config(cfg.transfer))
+        memory = self.runner.memory
+        bcfg = DecodeBudgetConfig(
+            page_size=cfg.cache.page_size, total_pages=memory.allocator.num_total,
+            reserved_decode_tokens=opts.reserved_decode_tokens, ratio_init=cfg.sched.new_token_ratio_init,
+            ratio_min=min(cfg.sched.new_token_ratio_min, cfg.sched.new_token_ratio_init),
+            ratio_decay_steps=cfg.sched.new_token_ratio_decay_steps)
+        chunk = cfg.sched.chunked_prefill_size if cfg.sched.chunked_prefill_size > 0 else cfg.sched.max_prefill_tokens
+        self.scheduler = DecodeScheduler(
+            EngineDriver(self.runner, Sampler()), memory, self.manager, self.aux,
+            StopChecker(tokenizer.eos_token_ids, tokenizer.decode), DecodeBudget(bcfg),
+            NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
+            DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=chunk,
+                              check_aux_room=cfg.transfer.backend != "fake"))
+        self.stats = DecodeStats(self.scheduler, self.aux.num_slots, self.manager.num_rooms)
+        self.io = NodeIO(endpoints, self.stats)
+        log.info("decode scheduler ready: %d pages x %d tokens, %d running + %d prealloc rows, backend %s, host %s",
+                 bcfg.total_pages, bcfg.page_size, max_running, rows - max_running, cfg.transfer.backend, host)
+
+    def serve(self, stop: threading.Event) -> None:
+        sched, io = self.scheduler, self.io
+        parent = os.getppid()
+        next_check = time.monotonic() + 1.0
+        while not stop.is_set():
+            for msg in io.recv(0.0 if sched.busy else IDLE_WAIT_S):
+                if isinstance(msg, GenerateReq):
+                    sched.add(msg)
+                elif isinstance(msg, AbortReq):
+                    sched.abort(msg.rid)
+            before = sched.counters["generated_tokens"]
+            try:
+                outputs = sched.step()
+            except Exception as exc:  # a bug must fail the requests, not hang them or kill the node
+                log.exception("decode step failed; failing every request in flight")
+                outputs = sched.fail_all(f"internal error in the decode scheduler: {type(exc).__name__}: {exc}")
+            self.stats.throughput.add(sched.counters["generated_tokens"] - before)
+            io.send(outputs)
+            if time.monotonic() > next_check:
+                next_check = time.monotonic() + 1.0
+                if os.getppid() != parent:
+                    log.error("the decode node's API process is gone; scheduler exits")
+                    return
+
+    def close(self) -> None:
+        self.manager.close()
+        self.io.close()
+
+
+def run_scheduler(cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints) -> None:
+    """Entry point of the scheduler process (``multiprocessing`` target)."""
+    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s decode-sched %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    proc = DecodeProcess(cfg, opts, endpoints)
+    try:
+        proc.serve(stop)
+    finally:
+        proc.close()
