@@ -115,6 +115,15 @@ class PrefillScheduler:
             self._forward(batch, out)
         return out
 
+    def fail_all(self, reason: str) -> list[ReqOutput]:
+        """After an internal error: fail every live request (500); each is still released once,
+        when its room is terminal, by the next steps."""
+        out: list[ReqOutput] = []
+        for req in list(self.reqs.values()):
+            if req.abort_reason is None:
+                self._drain(req, reason, 500, out)
+        return out
+
     def has_runnable(self) -> bool:
         """A forward is possible next step (else the loop may wait on its socket a little)."""
         return bool(self.waiting) or self.chunked is not None

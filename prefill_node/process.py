@@ -1,0 +1,154 @@
+"""The prefill node's scheduler process: model runner + KV sender side + the loop driving ``PrefillScheduler``.
+
+::
+
+    NodeIO.recv (GenerateReq / AbortReq; load/memory/metrics queries answered inside)
+      -> PrefillScheduler.step(items) -> NodeIO.send(replies)          (repeat)
+
+The loop never blocks on the network: transfers run on the ``PrefillKVManager``'s threads and
+``sender.poll`` is a dict read. It waits on its socket only when no forward can run: a few ms
+while rooms are in flight (their states must be polled), longer when the node is empty. It exits
+on SIGTERM/SIGINT, when ``stop`` is set, or when the process that started it (the node's API
+process) is gone, so a killed node leaves no orphan scheduler behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from common import envs
+from common.config import NodeConfig
+from common.protocol import IpcEndpoints
+from common.sched.node_io import NodeIO
+from common.sched.prefill_adder import PrefillBudget
+from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
+from prefill_node.stats import PrefillStats
+
+log = logging.getLogger(__name__)
+
+BUSY_WAIT_S = 0.002  # rooms in flight but nothing to compute: poll their states this often
+IDLE_WAIT_S = 0.05  # nothing in flight: wake this often to notice a vanished parent
+# Top logprobs of the first token carried in the aux row. Part of the wire layout: the decode
+# node's value must be the same (checked when the decode registers its KV args).
+AUX_TOP_K = 20
+
+
+@dataclass(frozen=True)
+class PrefillOptions:
+    """Prefill-only settings that have no home in ``NodeConfig``."""
+
+    aux_top_k: int = AUX_TOP_K
+    # How long a mooncake write may block on a hung decode before it counts as failed.
+    write_timeout_s: float = 5.0
+
+
+def advertise_host(host: str) -> str:
+    """The address decode nodes should use to reach this rank: ``host`` unless it is a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it picks the outgoing interface
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class PrefillProcess:
+    """Everything the scheduler process owns; ``close`` releases it (transfer threads, engine, sockets)."""
+
+    def __init__(self, cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, bootstrap_url: str) -> None:
+        from common.engine.driver import EngineDriver
+        from common.engine.model_runner import ModelRunner
+        from common.engine.sampler import Sampler
+        from common.sched.stop import StopChecker
+        from common.tokenizer import Tokenizer
+        from transfer import AuxPool, HttpBootstrapClient, KVArgs, KVManagerConfig, PrefillKVManager, create_data_plane
+
+        self.runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
+        tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
+        # The transfer workers stage each aux record in rows of their own; this one-row pool
+        # only gives the layout (row size) that the decode's aux rows must match.
+        aux_layout = AuxPool(1, top_k=opts.aux_top_k)
+        host = advertise_host(cfg.server.host)
+        args = KVArgs(layout=self.runner.kv_pool.layout, kv=KVArgs.kv_from_pool(self.runner.kv_pool),
+                      aux=aux_layout.buffers(), aux_top_k=opts.aux_top_k, host=host)
+        self._aux_layout = aux_layout  # registered memory: keep it alive as long as the manager
+        data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
+                                       device=envs.MOONCAKE_DEVICE.get(), transfer_timeout_s=opts.write_timeout_s)
+        self.manager = PrefillKVManager(args, data_plane, HttpBootstrapClient(), bootstrap_url,
+                                        KVManagerConfig.from_transfer_config(cfg.transfer))
+        sched_cfg = PrefillSchedConfig(
+            budget=PrefillBudget.from_flags(cfg.sched.max_prefill_tokens, cfg.sched.chunked_prefill_size),
+            policy=cfg.sched.schedule_policy,
+            transfer_timeout_s=cfg.transfer.waiting_timeout_s,
+            aux_top_k=opts.aux_top_k,
+        )
+        self.scheduler = PrefillScheduler(EngineDriver(self.runner, Sampler()), self.runner.memory,
+                                          self.manager.create_sender,
+                                          StopChecker(tokenizer.eos_token_ids, tokenizer.decode), sched_cfg)
+        self.stats = PrefillStats(self.scheduler, self.manager.num_rooms)
+        self.io = NodeIO(endpoints, self.stats)
+        mem = self.runner.memory
+        log.info("prefill scheduler ready: %d pages x %d tokens, %d request rows, backend %s, control %s",
+                 mem.allocator.num_total, mem.page_size, mem.req_to_token.max_reqs, cfg.transfer.backend,
+                 self.manager.endpoint)
+
+    def serve(self, stop: threading.Event) -> None:
+        sched, io = self.scheduler, self.io
+        parent = os.getppid()
+        next_check = time.monotonic() + 1.0
+        while not stop.is_set():
+            wait = 0.0 if sched.has_runnable() else BUSY_WAIT_S if sched.reqs else IDLE_WAIT_S
+            items = io.recv(wait)
+            try:
+                outputs = sched.step(items)
+            except Exception as exc:  # a scheduler bug fails the requests in flight, not the node
+                log.exception("prefill step failed; failing every request in flight")
+                outputs = sched.fail_all(f"internal error in the prefill scheduler: {type(exc).__name__}: {exc}")
+            self.stats.observe_step()
+            io.send(outputs)
+            if time.monotonic() > next_check:
+                next_check = time.monotonic() + 1.0
+                if os.getppid() != parent:
+                    log.error("the prefill node's API process is gone; the scheduler exits")
+                    return
+
+    def close(self) -> None:
+        self.manager.close()
+        self.io.close()
+
+
+def run_scheduler(cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, bootstrap_url: str,
+                  ready: Connection | None = None) -> None:
+    """Entry point of the scheduler process (a ``multiprocessing`` spawn target).
+
+    Sends ``("ready", info)`` on ``ready`` once the model is loaded and the rank registered with
+    the bootstrap server, or ``("error", message)`` if start-up failed.
+    """
+    logging.basicConfig(level=envs.LOG_LEVEL.get(),
+                        format="%(asctime)s %(levelname)s prefill-sched %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        proc = PrefillProcess(cfg, opts, endpoints, bootstrap_url)
+    except Exception as exc:
+        log.exception("prefill scheduler failed to start")
+        if ready is not None:
+            ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    try:
+        if ready is not None:
+            ready.send(("ready", {"pid": os.getpid(), "control_endpoint": proc.manager.endpoint,
+                                  "max_total_tokens": proc.runner.memory.allocator.num_total * cfg.cache.page_size}))
+            ready.close()
+        proc.serve(stop)
+    finally:
+        proc.close()
