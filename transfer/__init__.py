@@ -9,6 +9,8 @@ Public API::
     create_data_plane(name, host, **opts)   backend registry: "mooncake", "fake"
     PrefillKVManager(args, engine, bootstrap, bootstrap_addr, config).create_sender(room)
     DecodeKVManager(args, engine, bootstrap, config).create_receiver(room, bootstrap_addr)
+    build_prefill_manager(transfer_config, args, bootstrap_addr) / build_decode_manager(...)
+                                            the same, engine and HTTP bootstrap client included
     KVSender / KVReceiver                   the per-room contracts (transfer.base)
     TransferError
 
@@ -28,6 +30,8 @@ _LAZY = {
     "PrefillKVManager": "transfer.prefill",
     "DecodeKVManager": "transfer.decode",
     "HttpBootstrapClient": "transfer.bootstrap",
+    "build_prefill_manager": "transfer.factory",
+    "build_decode_manager": "transfer.factory",
 }
 
 
@@ -42,5 +46,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AuxPool", "AuxRecord", "BootstrapClient", "BufferSet", "DataPlane", "DecodeKVManager", "HttpBootstrapClient",
     "KVArgs", "KVManagerConfig", "KVPoll", "KVReceiver", "KVSender", "PrefillKVManager", "TransferError",
-    "available_backends", "create_data_plane",
+    "available_backends", "build_decode_manager", "build_prefill_manager", "create_data_plane",
 ]

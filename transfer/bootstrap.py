@@ -21,6 +21,10 @@ class HttpBootstrapClient:
     def register_rank(self, url: str, info: RankInfo) -> None:
         client.register_rank(url, info, timeout_s=self.timeout_s)
 
+    def deregister_rank(self, url: str, info: RankInfo) -> None:
+        client.deregister(url, info.engine_rank, info.dp_group, pp_rank=info.pp_rank,
+                          instance_id=info.instance_id, timeout_s=min(self.timeout_s, 1.0))
+
     def lookup_layout(self, url: str) -> PrefillLayout:
         return client.lookup_layout(url, timeout_s=self.lookup_timeout_s)
 

@@ -17,6 +17,9 @@ class KVManagerConfig:
     # A dead-declared prefill whose control port still accepts connections may be hung, not gone:
     # its rooms are held (pages not reported free) this long before they fail.
     hung_peer_quarantine_s: float = 10.0
+    # Prefill: forget a decode's KV args and socket after this long without any message from it
+    # (a live decode pings every heartbeat interval) while no room of ours is bound to it.
+    idle_peer_purge_s: float = 60.0
     tick_s: float = 0.05  # background loops wake at least this often to check timers and close()
 
     def __post_init__(self) -> None:

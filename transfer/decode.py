@@ -39,9 +39,11 @@ from bootstrap_server.schema import DecodeLayout, check_receivable
 from transfer import messages as m
 from transfer import wire
 from transfer.args import KVArgs
-from transfer.base import BootstrapClient, DataPlane, KVReceiver
+from transfer.base import BootstrapClient, DataPlane
 from transfer.config import KVManagerConfig
+from transfer.descriptors import index_list
 from transfer.errors import TransferError
+from transfer.handles import DecodeKVReceiver
 from transfer.peers import Peer, port_closed
 from transfer.poll import KVPoll, can_advance
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
@@ -63,6 +65,8 @@ class _Room:
 
 
 class DecodeKVManager:
+    """Owns the status socket, the threads and (once constructed) ``engine``: ``close()`` closes it."""
+
     def __init__(
         self,
         args: KVArgs,
@@ -252,7 +256,7 @@ class DecodeKVManager:
                 else:
                     pings.append((peer.endpoint, seq))
         for endpoint, seq in pings:
-            self._push.send(endpoint, m.Ping(seq=seq, status_endpoint=self.status_endpoint))
+            self._push.send(endpoint, m.Ping(seq=seq, session_id=self.engine.session_id, status_endpoint=self.status_endpoint))
         for peer in dead:
             self._declare_dead(peer, f"prefill {peer.endpoint} missed {peer.misses} heartbeats", confirmed_gone=None)
 
@@ -284,6 +288,8 @@ class DecodeKVManager:
         cfg = self.config
         aborts: list[tuple[_Room, str]] = []
         with self._lock:
+            for addr in [a for a, (expiry, _) in self._negative.items() if expiry <= now]:
+                del self._negative[addr]
             for r in list(self._rooms.values()):
                 if r.status.terminal:
                     continue
@@ -334,8 +340,8 @@ class DecodeKVManager:
                 raise TransferError(f"init() in state {r.status.name}; wait for WaitingForInput", room)
             info = m.TransferInfo(
                 room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
-                status_endpoint=self.status_endpoint, dst_pages=[int(p) for p in pages],
-                aux_slot=aux_slot, state_slots=[int(s) for s in state],
+                status_endpoint=self.status_endpoint, dst_pages=index_list(pages),
+                aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
             )
             r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
             endpoint = r.endpoint
@@ -360,35 +366,3 @@ class DecodeKVManager:
     def _release(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
-
-
-class DecodeKVReceiver(KVReceiver):
-    def __init__(self, mgr: DecodeKVManager, room: int) -> None:
-        self._mgr, self.room = mgr, room
-        self._final: KVPoll | None = None
-        self._reason: str | None = None
-
-    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
-        self._mgr._init(self.room, page_indices, aux_slot, state_indices)
-
-    def poll(self) -> KVPoll:
-        if self._final is not None:
-            return self._final
-        r = self._mgr._rooms.get(self.room)
-        if r is None:
-            return KVPoll.Failed
-        status = r.status
-        if status.terminal:
-            self._final, self._reason = status, r.reason
-            self._mgr._release(self.room)
-        return status
-
-    def abort(self, reason: str = "aborted by decode") -> None:
-        self._mgr._abort(self.room, reason)
-
-    @property
-    def failure_reason(self) -> str | None:
-        if self._final is not None:
-            return self._reason
-        r = self._mgr._rooms.get(self.room)
-        return r.reason if r is not None and r.status is KVPoll.Failed else None

@@ -36,6 +36,11 @@ class Descriptors:
 EMPTY = Descriptors([], [], [])
 
 
+def index_list(indices: Sequence[int] | np.ndarray) -> list[int]:
+    """Page/slot ids as plain ints, from a list, a numpy array or a CPU tensor."""
+    return np.asarray(indices, dtype=np.int64).reshape(-1).tolist()
+
+
 def merge_runs(src_idx: Sequence[int], dst_idx: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src_start, dst_start, length) of each maximal run where both indices step by +1."""
     src = np.asarray(src_idx, dtype=np.int64)  # [n]

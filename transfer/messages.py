@@ -62,6 +62,7 @@ class Ping(msgspec.Struct, tag="ping", kw_only=True):
     """Decode -> prefill heartbeat; answered by Pong on the status channel."""
 
     seq: int
+    session_id: str
     status_endpoint: str
 
 

@@ -34,9 +34,11 @@ from transfer import messages as m
 from transfer import wire
 from transfer.args import KVArgs
 from transfer.aux import AuxPool, AuxRecord
-from transfer.base import BootstrapClient, DataPlane, KVSender
+from transfer.base import BootstrapClient, DataPlane
 from transfer.config import KVManagerConfig
+from transfer.descriptors import index_list
 from transfer.errors import TransferError
+from transfer.handles import PrefillKVSender
 from transfer.poll import KVPoll, can_advance
 from transfer.worker import Chunk, Target, TransferWorker
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
@@ -58,6 +60,8 @@ class _Room:
 
 
 class PrefillKVManager:
+    """Owns the control socket, the workers and (once constructed) ``engine``: ``close()`` closes it."""
+
     def __init__(
         self,
         args: KVArgs,
@@ -67,6 +71,7 @@ class PrefillKVManager:
         config: KVManagerConfig = KVManagerConfig(),
     ) -> None:
         self.args, self.engine, self.config = args, engine, config
+        self._bootstrap, self._bootstrap_addr = bootstrap, bootstrap_addr
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
@@ -74,6 +79,7 @@ class PrefillKVManager:
         self._tombstones: dict[int, tuple[float, str]] = {}  # room -> (expiry, reason)
         self._peers: dict[str, m.KVArgsRegister] = {}  # decode session -> its buffers
         self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
+        self._last_heard: dict[str, float] = {}  # decode session -> last message from it
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._push = PushSockets(self._ctx)
@@ -124,6 +130,10 @@ class PrefillKVManager:
         if self._stop.is_set():
             return
         self._stop.set()
+        try:  # so decodes stop finding this rank; its bootstrap server may already be gone
+            self._bootstrap.deregister_rank(self._bootstrap_addr, self.rank_info)
+        except Exception as exc:
+            log.info("could not deregister from bootstrap %s: %s", self._bootstrap_addr, exc)
         for w in self._workers:
             w.stop()
         for t in self._threads:
@@ -137,6 +147,9 @@ class PrefillKVManager:
 
     # --- bootstrap thread ----------------------------------------------------------------------
     def _handle(self, msg: object) -> None:
+        session = getattr(msg, "session_id", None)
+        if session is not None:
+            self._last_heard[session] = time.monotonic()
         if isinstance(msg, m.KVArgsRegister):
             self._on_register(msg)
         elif isinstance(msg, m.TransferInfo):
@@ -237,10 +250,27 @@ class PrefillKVManager:
             for room, (expiry, _) in list(self._tombstones.items()):
                 if now > expiry:
                     del self._tombstones[room]
+            idle = self._idle_peers_locked(now)
+        for peer in idle:
+            log.info("forgetting decode %s: silent for %gs", peer.session_id, self.config.idle_peer_purge_s)
+            self._push.purge(peer.status_endpoint)
         for room, info in expired:
             self._push.send(info.status_endpoint, m.TransferStatus(
                 room=room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank,
                 reason=f"prefill rank never received request for room {room} within {timeout:g}s"))
+
+    def _idle_peers_locked(self, now: float) -> list[m.KVArgsRegister]:
+        """Drop decodes gone silent with no room bound to them (restarted or scaled away)."""
+        limit = self.config.idle_peer_purge_s
+        busy = {s for r in self._rooms.values() if not r.status.terminal for s in r.infos}
+        idle = [p for s, p in self._peers.items() if s not in busy and now - self._last_heard.get(s, now) > limit]
+        for p in idle:
+            del self._peers[p.session_id]
+            self._last_heard.pop(p.session_id, None)
+        for s in [s for s in self._last_heard if s not in self._peers and now - self._last_heard[s] > limit]:
+            del self._last_heard[s]
+            self._rejected.pop(s, None)
+        return idle
 
     # --- room state (callers hold self._lock) --------------------------------------------------
     def _add_info_locked(self, r: _Room, info: m.TransferInfo) -> None:
@@ -283,7 +313,7 @@ class PrefillKVManager:
                 return self._fail_locked(r, "send() after the last chunk")
             if end > n_dst or (last and end != n_dst):
                 return self._fail_locked(r, f"prefill sends {end} pages but the decode reserved {n_dst}")
-            chunk = Chunk(room, list(pages), r.pages_queued, last, aux, list(state))
+            chunk = Chunk(room, index_list(pages), r.pages_queued, last, aux, index_list(state))
             r.pages_queued, r.last_queued, r.status = end, last, KVPoll.Transferring
         self._workers[room % len(self._workers)].put(chunk)
 
@@ -340,38 +370,3 @@ class PrefillKVManager:
         if dead_session is not None and peer is not None:
             # Forget the peer: a restarted decode registers again under a new session.
             self._push.purge(peer.status_endpoint)
-
-
-class PrefillKVSender(KVSender):
-    def __init__(self, mgr: PrefillKVManager, room: int) -> None:
-        self._mgr, self.room = mgr, room
-        self._final: KVPoll | None = None
-        self._reason: str | None = None
-
-    def send(self, page_indices: Sequence[int], last_chunk: bool, aux: AuxRecord | None = None,
-             state_indices: Sequence[int] = ()) -> None:
-        self._mgr._queue_chunk(self.room, page_indices, last_chunk, aux, state_indices)
-
-    def poll(self) -> KVPoll:
-        if self._final is not None:
-            return self._final
-        r = self._mgr._rooms.get(self.room)
-        if r is None:  # only after _release, which happens after _final is set
-            return self._final or KVPoll.Failed
-        status = r.status
-        if status is KVPoll.Failed and r.inflight > 0:
-            return KVPoll.Transferring  # fenced: a write for this room has not returned yet
-        if status.terminal:
-            self._final, self._reason = status, r.reason
-            self._mgr._release(self.room)
-        return status
-
-    def abort(self, reason: str = "aborted by prefill") -> None:
-        self._mgr._abort(self.room, reason)
-
-    @property
-    def failure_reason(self) -> str | None:
-        if self._final is not None:
-            return self._reason
-        r = self._mgr._rooms.get(self.room)
-        return r.reason if r is not None and r.status is KVPoll.Failed else None

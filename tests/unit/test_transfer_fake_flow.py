@@ -9,12 +9,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 import zmq
 
 from bootstrap_server.errors import BootstrapUnreachable, RankNotRegistered
 from bootstrap_server.registry import Registry
 from bootstrap_server.schema import PrefillLayout, RankInfo
+from common.config import TransferConfig
 from common.kvcache.pool import KVLayout, KVPool
 from transfer.args import KVArgs
 from transfer.aux import AuxPool, AuxRecord
@@ -22,6 +25,7 @@ from transfer.backends.fake import FakeDataPlane
 from transfer.config import KVManagerConfig
 from transfer.decode import DecodeKVManager
 from transfer.errors import TransferError
+from transfer.factory import build_decode_manager, build_prefill_manager
 from transfer.poll import KVPoll
 from transfer.prefill import PrefillKVManager
 
@@ -41,6 +45,9 @@ class MemoryBootstrap:
 
     def register_rank(self, url: str, info: RankInfo) -> None:
         self.registries.setdefault(url, Registry()).register(info)
+
+    def deregister_rank(self, url: str, info: RankInfo) -> None:
+        self.registries[url].deregister(info.dp_group, info.engine_rank, instance_id=info.instance_id)
 
     def lookup_layout(self, url: str) -> PrefillLayout:
         reg = self.registries.get(url)
@@ -138,7 +145,7 @@ def test_happy_path_chunks_descriptors_and_states(cluster: Cluster) -> None:
     pm, p = cluster.prefill()
     dm, _ = cluster.decode()
     sender, recv = handshake(pm, dm, room=7, dst_pages=[5, 6, 7, 8, 2])
-    sender.send([1, 2], last_chunk=False)
+    sender.send(torch.tensor([1, 2]), last_chunk=False)  # tensors, arrays and lists all work
     assert sender.poll() is KVPoll.Transferring
     sender.send([3, 9, 10], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0))
     assert until_terminal(sender)[0] is KVPoll.Success
@@ -332,6 +339,36 @@ def test_hung_prefill_quarantines_pages(cluster: Cluster) -> None:
     st, took = until_terminal(recv, timeout=5)
     assert st is KVPoll.Failed and "heartbeat" in (recv.failure_reason or "")
     assert took >= CFG.heartbeat_interval_s * CFG.heartbeat_max_failures + CFG.hung_peer_quarantine_s - 0.05
+
+
+def test_decode_restart_with_same_session_fails_old_rooms(cluster: Cluster) -> None:
+    cfg = KVManagerConfig(**{**CFG.__dict__, "idle_peer_purge_s": 0.3})
+    pm, _ = cluster.prefill(cfg=cfg)
+    dm1, d1 = cluster.decode()
+    s1, _ = handshake(pm, dm1, room=1, dst_pages=[1])
+    dm1.close()
+    d2 = make_side()
+    d2.engine._session = d1.engine.session_id  # a restarted decode that got the same rpc port
+    dm2, _ = cluster.decode(d2)
+    s2, r2 = handshake(pm, dm2, room=2, dst_pages=[2])
+    st, _ = until_terminal(s1)
+    assert st is KVPoll.Failed and "restarted" in (s1.failure_reason or "")
+    s2.send([3], last_chunk=True)
+    assert until_terminal(r2)[0] is KVPoll.Success and until_terminal(s2)[0] is KVPoll.Success
+    dm2.close()  # silent from now on, no rooms: the prefill forgets it
+    wait_for(lambda: not pm._peers, timeout=3)
+
+
+def test_factory_builds_managers_from_transfer_config(cluster: Cluster) -> None:
+    tc = TransferConfig(backend="fake", bootstrap_timeout_s=1.0, heartbeat_interval_s=0.1)
+    pm = build_prefill_manager(tc, make_side().args, ADDR, cluster.boot)
+    cluster.managers.append(pm)
+    dm = build_decode_manager(tc, make_side().args, cluster.boot, tick_s=0.01)
+    cluster.managers.append(dm)
+    assert pm.engine.name == "fake" and pm.config.bootstrap_timeout_s == 1.0 and dm.config.tick_s == 0.01
+    sender, recv = handshake(pm, dm, room=1, dst_pages=[3])
+    sender.send(np.array([2]), last_chunk=True)
+    assert until_terminal(recv)[0] is KVPoll.Success
 
 
 def test_duplicate_room_is_rejected(cluster: Cluster) -> None:
