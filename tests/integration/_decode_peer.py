@@ -208,3 +208,29 @@ class DecodePeer:
         if "resp" not in result:
             raise TimeoutError(f"the prefill did not answer room {room} within {timeout_s:g} s")
         return r, result["resp"]
+
+
+# ---- a decode peer in a child process (so a test can SIGKILL it) ----------------------------------
+
+
+def serve_child(conn: Any, layout: dict[str, Any]) -> None:
+    """Child process main: ``("open", room, bootstrap_addr, prompt_len)`` -> ("ok", state name)
+    once TransferInfo is out; ``("close",)`` ends. Every command gets one reply."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    torch.set_num_threads(1)
+    peer = DecodePeer(KVLayout(**layout))
+    conn.send(("ok", "ready"))
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "close":
+                conn.send(("ok", None))
+                return
+            try:
+                _, room, addr, n = cmd
+                r = peer.open(room, addr, n)
+                conn.send(("ok", r.receiver.poll().name))
+            except Exception as exc:
+                conn.send(("err", f"{type(exc).__name__}: {exc}"))
+    finally:
+        peer.close()

@@ -1,0 +1,187 @@
+"""A prefill node under failure: its decode partner never comes or dies; bad input; aborts.
+
+Each scenario must end with the room failed within its configured bound, ``/debug/memory`` back
+at the idle baseline, and the node still serving a normal request (real Mooncake over TCP).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import _decode_peer
+from _decode_peer import DecodePeer, PrefillNodeProc
+from common.kvcache.pool import KVLayout
+from transfer import KVPoll
+
+pytest.importorskip("mooncake.engine")
+pytestmark = pytest.mark.integration
+
+BOOTSTRAP_TIMEOUT_S = 2.0  # PDC_BOOTSTRAP_TIMEOUT_S of the node under test
+SLACK_S = 3.0  # scheduling, HTTP and loaded-CI jitter on top of a bound
+PAGE = 16
+MAX_TOTAL_TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def node(tiny_qwen3: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefillNodeProc]:
+    log = str(tmp_path_factory.mktemp("prefill-failure") / "node.log")
+    n = PrefillNodeProc(tiny_qwen3, "--disaggregation-transfer-backend", "mooncake", "--page-size", str(PAGE),
+                        "--chunked-prefill-size", "16", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+                        env={"PDC_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_TIMEOUT_S), "PDC_LOG_LEVEL": "INFO"}, log_path=log)
+    try:
+        n.wait_ready()
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_qwen3: str) -> KVLayout:
+    with open(os.path.join(tiny_qwen3, "config.json")) as f:
+        cfg = json.load(f)
+    return KVLayout(cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"], PAGE, "float32")
+
+
+@pytest.fixture(scope="module")
+def peer(node: PrefillNodeProc, layout: KVLayout) -> Iterator[DecodePeer]:
+    p = DecodePeer(layout)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def body(room: int | None, ids: list[int], **extra: Any) -> dict:
+    b: dict[str, Any] = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}, **extra}
+    if room is not None:
+        b.update(bootstrap_host="127.0.0.1", bootstrap_room=room)  # bootstrap_port: the node's default
+    return b
+
+
+def post(node: PrefillNodeProc, payload: dict, timeout_s: float = 30.0) -> httpx.Response:
+    return httpx.post(f"{node.url}/generate", content=json.dumps(payload), timeout=timeout_s)
+
+
+def memory_settles(node: PrefillNodeProc, timeout_s: float = 5.0) -> dict:
+    """/debug/memory once nothing is in flight; asserts it is the idle baseline."""
+    deadline = time.monotonic() + timeout_s
+    mem = node.get("/debug/memory")
+    while (mem["live_reqs"] or mem["transfer_rooms"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        mem = node.get("/debug/memory")
+    assert mem["live_reqs"] == 0 and mem["held_pages"] == 0 and mem["transfer_rooms"] == 0, mem
+    assert mem["free_req_slots"] == mem["total_req_slots"] and mem["locked_pages"] == 0, mem
+    assert mem["free_pages"] + mem["cached_pages"] == mem["total_pages"], mem
+    return mem
+
+
+def still_serves(node: PrefillNodeProc, peer: DecodePeer, seed: int) -> None:
+    room, resp = peer.generate(node, [(seed * 7 + i) % 900 + 5 for i in range(40)])
+    assert resp.status_code == 200, resp.text
+    assert room.state is KVPoll.Success, room.reason
+    peer.release(room)
+    memory_settles(node)
+
+
+def test_decode_never_connects_fails_within_the_bootstrap_timeout(node: PrefillNodeProc, peer: DecodePeer) -> None:
+    memory_settles(node)
+    t0 = time.monotonic()
+    resp = post(node, body(peer.new_room(), list(range(5, 45))))
+    elapsed = time.monotonic() - t0
+    assert resp.status_code == 503, resp.text
+    err = resp.json()["error"]["message"]
+    assert "room" in err and "bootstrap timeout" in err, err
+    assert BOOTSTRAP_TIMEOUT_S * 0.8 <= elapsed < BOOTSTRAP_TIMEOUT_S + SLACK_S, elapsed
+    memory_settles(node)
+    still_serves(node, peer, seed=1)
+
+
+def test_decode_killed_after_the_handshake_fails_the_room_and_frees_it(node: PrefillNodeProc, peer: DecodePeer,
+                                                                        layout: KVLayout) -> None:
+    """The decode reserved pages and sent TransferInfo, then died before the prefill wrote."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    child = ctx.Process(target=_decode_peer.serve_child, args=(child_end, dataclasses.asdict(layout)), daemon=True)
+    child.start()
+    try:
+        assert conn.poll(120), "decode child did not start"
+        assert conn.recv() == ("ok", "ready")
+        rooms = [peer.new_room() for _ in range(3)]
+        for room in rooms:
+            conn.send(("open", room, f"127.0.0.1:{node.bootstrap_port}", 40))
+            assert conn.poll(30)
+            assert conn.recv() == ("ok", "Transferring")  # TransferInfo is out: the prefill may write
+    finally:
+        if child.pid is not None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    # The router's half of each request arrives only now, so every write goes to a dead decode.
+    results: dict[int, httpx.Response] = {}
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, post(node, body(r, list(range(7, 47))))))
+               for r in rooms]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    elapsed = time.monotonic() - t0
+    assert sorted(results) == sorted(rooms)
+    for room, resp in results.items():
+        assert resp.status_code == 503, resp.text
+        err = resp.json()["error"]["message"]
+        assert f"room {room}" in err and "KV transfer failed" in err, err
+    assert elapsed < SLACK_S + 5.0, f"dead decode detected only after {elapsed:.1f} s"  # 5 s: the write timeout
+    memory_settles(node)
+    still_serves(node, peer, seed=2)
+
+
+def test_bad_input_gets_400_and_touches_no_pool(node: PrefillNodeProc, peer: DecodePeer) -> None:
+    before = memory_settles(node)
+    too_big = [5 + i % 900 for i in range(MAX_TOTAL_TOKENS + PAGE)]  # fits the context, not the KV pool
+    cases = {
+        "kv pool": body(peer.new_room(), too_big),
+        "local": body(None, [5, 6, 7]),  # a prefill node decodes nothing: max_new_tokens 4 is refused
+        "empty": body(peer.new_room(), []),
+        "temperature": {**body(peer.new_room(), [5, 6]), "sampling_params": {"temperature": -1}},
+        "vocab": body(peer.new_room(), [5, 10**6]),
+    }
+    expect = {"kv pool": "KV pages", "local": "router", "empty": "", "temperature": "temperature", "vocab": "vocabulary"}
+    for name, payload in cases.items():
+        resp = post(node, payload)
+        assert resp.status_code == 400, (name, resp.text)
+        msg = resp.json()["error"]["message"]
+        assert msg and expect[name] in msg, (name, msg)
+    after = memory_settles(node)
+    assert after == before
+    ok = post(node, body(None, [5, 6, 7], sampling_params={"max_new_tokens": 1, "temperature": 0.0}))
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 1  # a local check runs the model
+    assert httpx.get(f"{node.url}/health_generate", timeout=10).status_code == 200
+
+
+def test_abort_while_waiting_for_the_decode_releases_everything(node: PrefillNodeProc, peer: DecodePeer) -> None:
+    memory_settles(node)
+    rid = "abort-me"
+    result: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: result.__setitem__("r", post(node, {**body(peer.new_room(), [5] * 30), "rid": rid})))
+    t.start()
+    deadline = time.monotonic() + 5
+    while node.get("/debug/memory")["bootstrap_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert node.get("/get_load")[0]["num_waiting_reqs"] == 1
+    r = httpx.post(f"{node.url}/abort_request", json={"rid": rid}, timeout=5)
+    assert r.status_code == 200 and r.json() == {"aborted": [rid]}
+    t.join(10)
+    assert not t.is_alive()
+    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    memory_settles(node)
+    still_serves(node, peer, seed=3)
