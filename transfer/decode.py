@@ -85,7 +85,9 @@ class DecodeKVManager:
         self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
         self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
         self._stop = threading.Event()
-        self._todo: queue.Queue[int | None] = queue.Queue()
+        # Rooms to connect, or (room, bootstrap addr, reason): tell a prefill we could not reach
+        # yet that the room was aborted, so its sender fails now rather than at its timeout.
+        self._todo: queue.Queue[int | tuple[int, str, str] | None] = queue.Queue()
         self._ctx = zmq.Context()
         self._push = PushSockets(self._ctx)
         self._pull, port = bind_pull(self._ctx, args.host)
@@ -137,14 +139,25 @@ class DecodeKVManager:
     # --- connect thread ------------------------------------------------------------------------
     def _connect_loop(self) -> None:
         while True:
-            room = self._todo.get()
-            if room is None:
+            item = self._todo.get()
+            if item is None:
                 return
+            if isinstance(item, tuple):
+                self._late_abort(*item)
+                continue
             try:
-                self._connect(room)
+                self._connect(item)
             except Exception as exc:  # the thread outlives any one room
-                log.exception("connect: room %d", room)
-                self._fail(room, f"connecting to the prefill failed: {exc!r}")
+                log.exception("connect: room %d", item)
+                self._fail(item, f"connecting to the prefill failed: {exc!r}")
+
+    def _late_abort(self, room: int, addr: str, reason: str) -> None:
+        try:
+            peer = self._resolve(addr, room)
+        except Exception:
+            return  # unreachable: the prefill's own bootstrap timeout fails its sender
+        self._push.send(peer.endpoint, m.AbortRoom(
+            room=room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))
 
     def _connect(self, room: int) -> None:
         r = self._rooms.get(room)
@@ -361,7 +374,10 @@ class DecodeKVManager:
             else:
                 self._begin_abort_locked(r, reason)
         # Also when nothing was sent yet: the prefill's sender then fails now, not at its timeout.
-        self._send_abort(r, reason)
+        if r.endpoint is not None:
+            self._send_abort(r, reason)
+        else:
+            self._todo.put((room, r.bootstrap_addr, reason))
 
     def _release(self, room: int) -> None:
         with self._lock:

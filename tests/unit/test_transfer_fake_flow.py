@@ -380,3 +380,45 @@ def test_duplicate_room_is_rejected(cluster: Cluster) -> None:
         pm.create_sender(1)
     with pytest.raises(TransferError):
         dm.create_receiver(1, ADDR)
+
+
+def test_many_rooms_with_random_aborts_all_settle(cluster: Cluster) -> None:
+    """Rooms in every phase, aborted from either side at random moments: every room ends, a room
+    ends Success on both sides or Failed on both, and both managers forget every room."""
+    import random
+
+    rng = random.Random(0)
+    cfg = KVManagerConfig(**{**CFG.__dict__, "bootstrap_timeout_s": 20.0, "waiting_timeout_s": 20.0})
+    pm, _ = cluster.prefill(cfg=cfg)
+    dm, _ = cluster.decode(cfg=cfg)
+    rooms = list(range(100, 160))
+    senders = {r: pm.create_sender(r) for r in rooms}
+    recvs = {r: dm.create_receiver(r, ADDR) for r in rooms}
+    plan = {r: rng.choice(["ok", "ok", "p_early", "d_early", "p_mid", "d_mid"]) for r in rooms}
+    for r in rooms:
+        if plan[r] == "d_early":
+            recvs[r].abort("d_early")
+    wait_for(lambda: all(recvs[r].poll() in (KVPoll.WaitingForInput, KVPoll.Failed) for r in rooms))
+    for r in rooms:
+        if plan[r] == "p_early":
+            senders[r].abort("p_early")
+        if recvs[r].poll() is KVPoll.WaitingForInput:
+            recvs[r].init([r % 7 + 1, r % 7 + 2], r % 4)
+    wait_for(lambda: all(senders[r].poll() in (KVPoll.WaitingForInput, KVPoll.Failed) for r in rooms))
+    for r in rooms:
+        if senders[r].poll() is KVPoll.WaitingForInput:
+            senders[r].send([1], last_chunk=False)
+            if plan[r] == "p_mid":
+                senders[r].abort("p_mid")
+            if plan[r] == "d_mid":
+                recvs[r].abort("d_mid")
+            senders[r].send([2], last_chunk=True, aux=AuxRecord(room=r, token_id=1, cached_tokens=0))
+    ends = {r: (until_terminal(senders[r])[0], until_terminal(recvs[r])[0]) for r in rooms}
+    for r, (s, d) in ends.items():
+        if plan[r] == "ok":
+            assert (s, d) == (KVPoll.Success, KVPoll.Success), (r, plan[r], senders[r].failure_reason, recvs[r].failure_reason)
+        elif plan[r] == "d_mid":  # the prefill may finish first (Success); the decode still reports its abort
+            assert d is KVPoll.Failed, (r, plan[r])
+        else:
+            assert (s, d) == (KVPoll.Failed, KVPoll.Failed), (r, plan[r])
+    wait_for(lambda: pm.num_rooms() == 0 and dm.num_rooms() == 0)
