@@ -1,6 +1,6 @@
 """The decode side of ``python -m transfer.bench`` (a child process), and helpers both sides share.
 
-The parent (``transfer.bench``) plays the prefill: it owns the source KV, the ``PrefillKVManager``s,
+The parent (``transfer.bench``, through ``Child`` below) plays the prefill: it owns the source KV, the ``PrefillKVManager``s,
 a raw mooncake engine and the memcpy target. This child plays the decode: it owns the destination
 KV, one ``DecodeKVManager`` per backend and the receiving end of the raw socket. Commands arrive as
 tuples over a pipe; each gets exactly one reply, ``("ok", value)`` or ``("err", text)``::
@@ -323,7 +323,10 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
 
 
 class Child:
-    """The decode process: every call bounded in time, killed by PID in ``stop``."""
+    """The parent's handle on this module's ``serve`` in a child process.
+
+    Every call is bounded in time; ``stop`` asks the child to close, then kills it by PID.
+    """
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -331,7 +334,11 @@ class Child:
         self.proc = ctx.Process(target=serve, args=(child_conn,), daemon=True, name="pdc-bench-decode")
         self.proc.start()
         child_conn.close()
-        self.reply(timeout_s=120)
+        try:
+            self.reply(timeout_s=120)
+        except BaseException:
+            self.stop()
+            raise
 
     def send(self, *cmd: Any) -> None:
         self.conn.send(cmd)
@@ -356,10 +363,10 @@ class Child:
         try:
             if self.proc.is_alive():
                 self.conn.send(("close",))
-                self.conn.poll(10)
+                self.conn.poll(5)
         except (OSError, EOFError):
             pass
-        self.proc.join(10)
+        self.proc.join(5)
         if self.proc.is_alive() and self.proc.pid is not None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.join(10)

@@ -16,9 +16,11 @@ page size); ``scattered`` gives the decode the same pages in reverse order, so n
 
 Per request: latency (sender: send() -> the decode saw Success, the clocks being the same
 CLOCK_MONOTONIC; others: from the first byte offered to the last one in place), GB/s of KV
-payload (1e9 bytes), descriptors. Bytes are checked once per configuration and method: the
-destination is zeroed, one request runs, and a crc32 per buffer of the destination pages must
-equal the source's. Results go to stdout as a markdown table and, with ``--json``, to a file.
+payload (1e9 bytes), descriptors. Methods take turns request by request (so load from elsewhere
+hits them alike); a configuration above ``--single-iteration-above`` descriptors runs once.
+Bytes are checked once per configuration and method: the destination is zeroed, one request
+runs, and a crc32 per buffer of the destination pages must equal the source's. Results go to
+stdout as a markdown table and, with ``--json``, to a file.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 
 from transfer import _bench_peer as peer
 from transfer import descriptors as d
+from transfer.backends.mooncake import _auto_protocol  # imports mooncake itself only when an engine starts
 from transfer.base import DataPlane
 from transfer.descriptors import Descriptors
 
@@ -208,8 +211,6 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         os.environ["MC_TRANSFER_TIMEOUT"] = str(int(cfg.transfer_timeout_s))
         from mooncake.engine import TransferEngine
 
-        from transfer.backends.mooncake import _auto_protocol
-
         raw = TransferEngine()
         if raw.initialize("127.0.0.1", "P2PHANDSHAKE", _auto_protocol(), "") != 0:
             raise RuntimeError("raw mooncake engine failed to initialize")
@@ -239,7 +240,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         if raw is not None:
             raw.unregister_memory(src.data_ptr())
     return {
-        "machine": machine_info(load_before, os.getloadavg(), raw is not None),
+        "machine": machine_info(load_before, os.getloadavg()),
         "config": {**asdict(cfg), "layout": asdict(lay), "request_bytes": {ps: lay.request_nbytes(ps) for ps in cfg.page_sizes}},
         "elapsed_s": round(time.monotonic() - t_start, 1),
         "results": results,
@@ -262,20 +263,22 @@ def run_config(cfg: BenchConfig, rig: Rig, frag: str, target: torch.Tensor | Non
         "socket": lambda: socket_request(rig, src, dst),
         "memcpy": lambda: memcpy_request(rig, target, src, dst),  # type: ignore[arg-type]
     }
+    samples: dict[str, list[tuple[float, dict[str, float]]]] = {m: [] for m in cfg.methods}
+    verified: dict[str, bool | None] = dict.fromkeys(cfg.methods)
+    # Round-robin over methods, so that a burst of load from elsewhere hits all of them alike.
+    for i in range(iters):
+        for method in cfg.methods:
+            local, check = method == "memcpy", i == 0 and method != "sender-fake"
+            if check:  # zero the destination: stale bytes from the previous method must not pass
+                target.zero_() if local else rig.child.call("zero")  # type: ignore[union-attr]
+            samples[method].append(requests[method]())
+            if check:
+                got = peer.digest(target, lay, ps, dst) if local else rig.child.call("digest", dst)  # type: ignore[arg-type]
+                verified[method] = got == want
     rows = []
     for method in cfg.methods:
-        local, moves_bytes = method == "memcpy", method != "sender-fake"
-        if moves_bytes:  # zero the destination so that stale bytes from the last method cannot pass the check
-            target.zero_() if local else rig.child.call("zero")  # type: ignore[union-attr]
-        latencies, extras, verified = [], [], None
-        for i in range(iters):
-            lat, extra = requests[method]()
-            latencies.append(lat)
-            extras.append(extra)
-            if i == 0 and moves_bytes:
-                got = peer.digest(target, lay, ps, dst) if local else rig.child.call("digest", dst)  # type: ignore[arg-type]
-                verified = got == want
-        rows.append(summarize(lay, ps, frag, method, len(desc), build_ms, latencies, extras, verified))
+        latencies, extras = [s[0] for s in samples[method]], [s[1] for s in samples[method]]
+        rows.append(summarize(lay, ps, frag, method, len(desc), build_ms, latencies, extras, verified[method]))
         log(format_row(rows[-1]))
     return rows
 
@@ -289,6 +292,7 @@ def summarize(lay: peer.BenchLayout, ps: int, frag: str, method: str, kv_desc: i
         "pages": lay.request_pages(ps), "bytes": nbytes, "kv_descriptors": kv_desc,
         "descriptors": int(extras[0].get("descriptors", kv_desc)),  # what this method issued per request
         "latency_ms": {"min": min(latencies) * 1e3, "p50": p50 * 1e3, "max": max(latencies) * 1e3},
+        "samples_ms": [round(x * 1e3, 3) for x in latencies],
         "gbps": nbytes / p50 / 1e9 if method != "sender-fake" else None,
         "us_per_descriptor": p50 * 1e6 / max(1, int(extras[0].get("descriptors", kv_desc))),
         "verified": verified, "descriptor_build_ms": build_ms,
@@ -299,11 +303,12 @@ def summarize(lay: peer.BenchLayout, ps: int, frag: str, method: str, kv_desc: i
     return row
 
 
-def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...], mooncake: bool) -> dict[str, Any]:
+def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict[str, Any]:
     from importlib import metadata
 
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": load_after}
+                            "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": load_after,
+                            "mooncake_protocol": _auto_protocol()}
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
@@ -314,15 +319,11 @@ def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...], 
             info["mooncake"] = f"{dist} {metadata.version(dist)}"
         except metadata.PackageNotFoundError:
             continue
-    if mooncake:
-        from transfer.backends.mooncake import _auto_protocol
-
-        info["mooncake_protocol"] = _auto_protocol()
     return info
 
 
 # --- output ---------------------------------------------------------------------------------------
-HEADER = ("| page | pages | method | iters | descriptors | MB | p50 ms | min ms | GB/s | µs/desc | verified | notes |\n"
+HEADER = ("| page | placement | method | iters | descriptors | MB | p50 ms | min ms | GB/s | µs/desc | verified | notes |\n"
           "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
 
 
