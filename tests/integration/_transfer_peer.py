@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 # Imported at module level so a forkserver that preloads this module starts children warm.
 import torch  # noqa: E402
