@@ -94,6 +94,7 @@ class PrefillScheduler:
         self.chunked: PrefillReq | None = None
         self.inflight: list[PrefillReq] = []
         self.reqs: dict[str, PrefillReq] = {}  # every live request, by rid
+        self.stalled = False  # the last step ran no forward although requests were waiting
         self.counters = Counters()
 
     # ---- one step ------------------------------------------------------------------------------
@@ -111,6 +112,8 @@ class PrefillScheduler:
         # (a chunk sent by this step's forward is polled from the next step on).
         self._poll_inflight(out)
         batch = self._schedule()
+        # Waiting requests that did not fit wait for a transfer to finish: no reason to spin.
+        self.stalled = not batch
         if batch:
             self._forward(batch, out)
         return out
@@ -125,8 +128,8 @@ class PrefillScheduler:
         return out
 
     def has_runnable(self) -> bool:
-        """A forward is possible next step (else the loop may wait on its socket a little)."""
-        return bool(self.waiting) or self.chunked is not None
+        """A forward is likely next step (else the loop may wait on its socket a little)."""
+        return self.chunked is not None or (bool(self.waiting) and not self.stalled)
 
     # ---- receive -------------------------------------------------------------------------------
 

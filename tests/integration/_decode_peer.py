@@ -179,16 +179,22 @@ class DecodePeer:
 
     def generate(self, node: PrefillNodeProc, input_ids: list[int], room: int | None = None,
                  timeout_s: float = 30.0, **body: Any) -> tuple[Room, httpx.Response]:
-        """POST the prompt to the prefill (as the router does) while this side opens the room."""
+        """POST one prompt to the prefill's /generate (as the router does) while this side opens the room."""
         room = self.new_room() if room is None else room
         payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
                    "bootstrap_host": "127.0.0.1", "bootstrap_port": node.bootstrap_port, "bootstrap_room": room,
                    "stream": False, **body}
+        (r,), resp = self.request(node, "/generate", payload, [(room, len(input_ids))], timeout_s)
+        return r, resp
+
+    def request(self, node: PrefillNodeProc, path: str, payload: dict, rooms: list[tuple[int, int]],
+                timeout_s: float = 30.0) -> tuple[list[Room], httpx.Response]:
+        """POST ``payload`` (which names the rooms) while opening each ``(room, prompt_len)`` here."""
         result: dict[str, Any] = {}
 
         def post() -> None:
             try:
-                result["resp"] = httpx.post(f"{node.url}/generate", content=json.dumps(payload), timeout=timeout_s)
+                result["resp"] = httpx.post(f"{node.url}{path}", content=json.dumps(payload), timeout=timeout_s)
             except Exception as exc:  # handed to the caller
                 result["exc"] = exc
 
@@ -196,18 +202,19 @@ class DecodePeer:
         t.start()
         # An early error answer (400: the prefill refused the request) means no KV will come.
         answered = lambda: not t.is_alive() and ("exc" in result or result["resp"].status_code != 200)  # noqa: E731
-        r = self.open(room, f"127.0.0.1:{node.bootstrap_port}", len(input_ids), timeout_s, answered)
-        if r.state is not KVPoll.Failed and not answered():
-            self.finish(r, timeout_s, answered)
-        if answered() and not r.state.terminal:
-            r.receiver.abort("the prefill answered with an error")
-            self.finish(r, timeout_s)
+        opened = [self.open(room, f"127.0.0.1:{node.bootstrap_port}", n, timeout_s, answered) for room, n in rooms]
+        for r in opened:
+            if r.state is not KVPoll.Failed and not answered():
+                self.finish(r, timeout_s, answered)
+            if answered() and not r.state.terminal:
+                r.receiver.abort("the prefill answered with an error")
+                self.finish(r, timeout_s)
         t.join(timeout_s)
         if "exc" in result:
             raise result["exc"]
         if "resp" not in result:
-            raise TimeoutError(f"the prefill did not answer room {room} within {timeout_s:g} s")
-        return r, result["resp"]
+            raise TimeoutError(f"the prefill did not answer {path} within {timeout_s:g} s")
+        return opened, result["resp"]
 
 
 # ---- a decode peer in a child process (so a test can SIGKILL it) ----------------------------------

@@ -283,9 +283,11 @@ def test_kv_capacity_counts_pages_held_by_transfers() -> None:
     node.step()
     assert len(node.engine.calls) == 1, "b needs 3 pages, only 2 are free"
     assert [r.rid for r in node.sched.waiting] == ["b"]
+    assert not node.sched.has_runnable(), "nothing fits: the loop may wait instead of spinning"
     node.sender(1).state = KVPoll.Success
-    node.step()  # a releases (3 full pages cached, evictable); b fits by evicting
+    node.step()  # a releases (4 full pages cached, evictable); b fits by evicting one
     assert len(node.engine.calls) == 2
+    assert node.memory.cache.total_pages() == 3, "a cached its 4 full pages; b needed one of them evicted"
     node.sender(2).state = KVPoll.Success
     node.step()
     node.assert_idle()

@@ -1,7 +1,9 @@
-"""A prefill node under failure: its decode partner never comes or dies; bad input; aborts.
+"""A running prefill node (real Mooncake over TCP): router-shaped requests, failures, bad input, aborts.
 
-Each scenario must end with the room failed within its configured bound, ``/debug/memory`` back
-at the idle baseline, and the node still serving a normal request (real Mooncake over TCP).
+Requests are shaped as sglang-router sends them to a prefill (DESIGN §5.1): ``stream: true``,
+``bootstrap_port: null``, batches with parallel room lists, OpenAI bodies with extra fields.
+Each failure scenario must end with the room failed within its configured bound,
+``/debug/memory`` back at the idle baseline, and the node still serving a normal request.
 """
 from __future__ import annotations
 
@@ -185,3 +187,48 @@ def test_abort_while_waiting_for_the_decode_releases_everything(node: PrefillNod
     assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     memory_settles(node)
     still_serves(node, peer, seed=3)
+
+
+def sse_events(text: str) -> list[str]:
+    return [frame[len("data: "):] for frame in text.split("\n\n") if frame.startswith("data: ")]
+
+
+def test_router_shaped_requests(node: PrefillNodeProc, peer: DecodePeer) -> None:
+    ids = [(11 * i) % 900 + 5 for i in range(37)]
+    # 1. /generate, streamed, bootstrap_port null (the node's default): SSE after the transfer
+    room = peer.new_room()
+    payload = {"input_ids": ids, "stream": True, "model": None, "rid": None,
+               "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+               "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": room}
+    (r,), resp = peer.request(node, "/generate", payload, [(room, len(ids))])
+    assert resp.status_code == 200 and r.state is KVPoll.Success, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    peer.release(r)
+    # 2. a batch: parallel lists, one room per item
+    a, b = ids[:20], ids[5:]
+    rooms = [peer.new_room(), peer.new_room()]
+    payload = {"input_ids": [a, b], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+               "bootstrap_host": ["127.0.0.1", "127.0.0.1"], "bootstrap_port": [None, None], "bootstrap_room": rooms}
+    got, resp = peer.request(node, "/generate", payload, [(rooms[0], len(a)), (rooms[1], len(b))])
+    assert resp.status_code == 200, resp.text
+    assert [g.state for g in got] == [KVPoll.Success, KVPoll.Success]
+    out = resp.json()
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(a), len(b)]
+    for g in got:
+        peer.release(g)
+    # 3. OpenAI completions with token-id prompt, extras and unknown fields, streamed with usage
+    room = peer.new_room()
+    payload = {"model": "unknown", "prompt": ids, "max_tokens": 8, "stream": True, "temperature": 0,
+               "stream_options": {"include_usage": True}, "ignore_eos": True, "top_k": 1, "some_new_field": {"x": 1},
+               "bootstrap_host": "127.0.0.1", "bootstrap_port": node.bootstrap_port, "bootstrap_room": room}
+    (r,), resp = peer.request(node, "/v1/completions", payload, [(room, len(ids))])
+    assert resp.status_code == 200 and r.state is KVPoll.Success, resp.text
+    assert sse_events(resp.text)[-1] == "[DONE]"
+    peer.release(r)
+    memory_settles(node)
+    metrics = httpx.get(f"{node.url}/metrics", timeout=10).text
+    for name in ("pdc_scheduler_num_transfer_reqs", "pdc_scheduler_token_usage", "pdc_scheduler_finished_reqs_total"):
+        assert name in metrics, name
