@@ -99,6 +99,10 @@ class TransferConfig:
     heartbeat_interval_s: float = field(default_factory=envs.HEARTBEAT_INTERVAL_S.get)
     heartbeat_max_failures: int = field(default_factory=envs.HEARTBEAT_MAX_FAILURES.get)
     num_workers: int = field(default_factory=envs.TRANSFER_WORKERS.get)
+    max_batch_entries: int = field(default_factory=envs.TRANSFER_MAX_BATCH_ENTRIES.get)
+    hung_peer_quarantine_s: float = field(default_factory=envs.HUNG_PEER_QUARANTINE_S.get)
+    idle_peer_purge_s: float = field(default_factory=envs.IDLE_PEER_PURGE_S.get)
+    write_timeout_s: float = field(default_factory=envs.MOONCAKE_TRANSFER_TIMEOUT_S.get)
 
     def validate(self) -> None:
         if self.backend not in ("mooncake", "fake"):

@@ -37,6 +37,10 @@ WAITING_TIMEOUT_S = EnvVar("PDC_WAITING_TIMEOUT_S", 60.0, "seconds a decode room
 HEARTBEAT_INTERVAL_S = EnvVar("PDC_HEARTBEAT_INTERVAL_S", 1.0, "decode -> prefill health probe interval")
 HEARTBEAT_MAX_FAILURES = EnvVar("PDC_HEARTBEAT_MAX_FAILURES", 3, "missed probes before a prefill is dead")
 TRANSFER_WORKERS = EnvVar("PDC_TRANSFER_WORKERS", 2, "transfer worker threads per prefill rank")
+TRANSFER_MAX_BATCH_ENTRIES = EnvVar("PDC_TRANSFER_MAX_BATCH_ENTRIES", 2000, "descriptors per peer per engine call (mooncake TCP fails past ~2050)")
+HUNG_PEER_QUARANTINE_S = EnvVar("PDC_HUNG_PEER_QUARANTINE_S", 10.0, "hold pages of a dead-declared but still-listening prefill this long")
+IDLE_PEER_PURGE_S = EnvVar("PDC_IDLE_PEER_PURGE_S", 60.0, "prefill forgets a silent decode peer after this long")
+MOONCAKE_TRANSFER_TIMEOUT_S = EnvVar("PDC_MOONCAKE_TRANSFER_TIMEOUT_S", 5.0, "seconds one mooncake write may block on a hung peer (floor 5)")
 MOONCAKE_PROTOCOL = EnvVar("PDC_MOONCAKE_PROTOCOL", "auto", "mooncake protocol: auto, rdma, tcp")
 MOONCAKE_DEVICE = EnvVar("PDC_MOONCAKE_DEVICE", "", "RDMA device names for mooncake (empty: auto)")
 

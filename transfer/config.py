@@ -38,8 +38,13 @@ class KVManagerConfig:
 
     @classmethod
     def from_transfer_config(cls, tc: TransferConfig, **overrides: float) -> KVManagerConfig:
-        return cls(
+        values: dict[str, float] = dict(
             bootstrap_timeout_s=tc.bootstrap_timeout_s, waiting_timeout_s=tc.waiting_timeout_s,
             heartbeat_interval_s=tc.heartbeat_interval_s, heartbeat_max_failures=tc.heartbeat_max_failures,
-            num_workers=tc.num_workers, **overrides,  # type: ignore[arg-type]
+            num_workers=tc.num_workers, max_batch_entries=tc.max_batch_entries,
+            # Quarantine must outlast one blocked engine write, or a hung peer's write could land late.
+            hung_peer_quarantine_s=max(tc.hung_peer_quarantine_s, tc.write_timeout_s),
+            idle_peer_purge_s=tc.idle_peer_purge_s,
         )
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
