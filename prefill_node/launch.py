@@ -23,6 +23,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -114,6 +115,10 @@ def _wait_ready(proc: mp.process.BaseProcess, conn: Connection, timeout_s: float
     raise StartupError(f"the scheduler did not become ready within {timeout_s:g} s")
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _stop(proc: mp.process.BaseProcess) -> None:
     if proc.pid is None or not proc.is_alive():
         return
@@ -137,14 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from bootstrap_server.client import bootstrap_url
     from bootstrap_server.server import BootstrapServer
-    from common.server import pid_alive, run_api_server
+    from common.server import run_api_server
 
     endpoints = IpcEndpoints.fresh()
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or ZMQ state
     recv_end, send_end = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=run_scheduler, name="pdc-prefill-scheduler",
                        args=(cfg, PrefillOptions(), endpoints, bootstrap_url(ns.host, cfg.transfer.bootstrap_port), send_end))
-    boot = BootstrapServer(ns.host, cfg.transfer.bootstrap_port, health_check=lambda: proc.is_alive())
+
+    def scheduler_alive() -> bool:
+        # is_alive() reaps a dead child; a pid probe (os.kill(pid, 0)) would see a zombie as alive.
+        return proc.pid is not None and proc.is_alive()
+
+    boot = BootstrapServer(ns.host, cfg.transfer.bootstrap_port, health_check=scheduler_alive)
+    # Until uvicorn installs its own handlers, SIGTERM must still run the cleanup below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         boot.start()
     except OSError as exc:
@@ -159,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
                                                       "max_total_tokens": info["max_total_tokens"],
                                                       "scheduler_pid": info["pid"]})
-        run_api_server(api_cfg, endpoints, scheduler_alive=pid_alive(info["pid"]))
+        run_api_server(api_cfg, endpoints, scheduler_alive=scheduler_alive)
         return 0
     except StartupError as exc:
         log.error("%s", exc)

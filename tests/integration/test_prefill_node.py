@@ -11,7 +11,11 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -232,3 +236,53 @@ def test_router_shaped_requests(node: PrefillNodeProc, peer: DecodePeer) -> None
     metrics = httpx.get(f"{node.url}/metrics", timeout=10).text
     for name in ("pdc_scheduler_num_transfer_reqs", "pdc_scheduler_token_usage", "pdc_scheduler_finished_reqs_total"):
         assert name in metrics, name
+
+
+def test_start_up_failures_exit_with_a_reason(tiny_qwen3: str, tmp_path) -> None:
+    """Bad flags: 2; bootstrap port taken or a scheduler that cannot load the model: 1 — never a node
+    that serves 503 forever. The three launches run side by side to save time."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(os.path.join(tiny_qwen3, "config.json"), broken / "config.json")  # no weights
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        runs = {
+            "bad flag": (["--model-path", str(tmp_path / "missing")], 2, "is not a directory"),
+            "port taken": (["--model-path", tiny_qwen3, "--disaggregation-bootstrap-port", str(taken)], 1,
+                           "cannot serve the bootstrap registry"),
+            "no weights": (["--model-path", str(broken)], 1, "scheduler failed to start"),
+        }
+        procs = {}
+        try:
+            for name, (flags, _, _) in runs.items():
+                cmd = [sys.executable, "-m", "prefill_node", "--disaggregation-transfer-backend", "fake",
+                       "--port", str(_decode_peer.free_port()), *flags]
+                if "--disaggregation-bootstrap-port" not in flags:
+                    cmd += ["--disaggregation-bootstrap-port", str(_decode_peer.free_port())]
+                procs[name] = subprocess.Popen(cmd, cwd=_decode_peer.ROOT, stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True)
+            for name, (_, code, reason) in runs.items():
+                out, _ = procs[name].communicate(timeout=120)
+                assert procs[name].returncode == code, (name, out[-2000:])
+                assert reason in out, (name, out[-2000:])
+        finally:
+            for pr in procs.values():
+                if pr.poll() is None:
+                    pr.kill()
+                    pr.wait(10)
+
+def test_scheduler_death_turns_health_503_and_fails_requests(node: PrefillNodeProc) -> None:
+    """Last in this module: it kills the node's scheduler."""
+    assert node.scheduler_pid is not None
+    os.kill(node.scheduler_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    status = 200
+    while status == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = httpx.get(f"{node.url}/health", timeout=5).status_code
+    assert status == 503
+    assert httpx.get(f"http://127.0.0.1:{node.bootstrap_port}/health", timeout=5).status_code == 503
+    resp = post(node, body(12345, [5, 6, 7]), timeout_s=10)
+    assert resp.status_code == 503 and "scheduler" in resp.json()["error"]["message"]
