@@ -99,6 +99,8 @@ def test_scatter_gather_socket_matches_reference() -> None:
         dst_off[k], pos = pos + 3, pos + 3 + int(lens[k])
     a, b = socket.socketpair()
     b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    a.settimeout(10)  # a bug that loses bytes fails here instead of hanging
+    b.settimeout(10)
     sender = threading.Thread(target=peer.send_views, args=(a, peer.make_views(memoryview(src), src_off, lens)))
     try:
         sender.start()
