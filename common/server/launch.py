@@ -21,7 +21,11 @@ from common.server.textio import TokenizerLike
 
 
 def pid_alive(pid: int) -> Callable[[], bool]:
-    """A liveness check for the scheduler's process id (signal 0 probes without signalling)."""
+    """A liveness check for the scheduler's process id (signal 0 probes without signalling).
+
+    A dead child that its parent has not reaped yet is a zombie: signal 0 still succeeds, so
+    the process state in /proc is read too (where /proc exists).
+    """
 
     def alive() -> bool:
         try:
@@ -30,7 +34,13 @@ def pid_alive(pid: int) -> Callable[[], bool]:
             return False
         except PermissionError:  # exists, owned by someone else
             return True
-        return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                # "pid (comm) state ...": comm may contain spaces, so split after the last ')'
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        return state not in (b"Z", b"X")
 
     return alive
 
