@@ -1,18 +1,24 @@
 """Launch a decode node: ``pdcluster decode ...`` or ``python -m decode_node ...``.
 
 Two processes: this one serves HTTP (the shared API app) and starts the scheduler process
-(``decode_node.process``), linked by two ZMQ ipc sockets. If the scheduler dies the API process
-shuts down too (exit status 1), so a supervisor sees one failed node instead of a zombie half.
+(``decode_node.process``), linked by two ZMQ ipc sockets. HTTP is served only once the scheduler
+reported ready (model loaded, pools and KV manager up); a start-up failure exits with status 1 and
+the reason. If the scheduler dies later the API process shuts down too (status 1), so a
+supervisor sees one failed node instead of a zombie half.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
 
 from common import envs
 from common.config import (
@@ -27,9 +33,14 @@ from common.config import (
     resolve,
 )
 from common.protocol import IpcEndpoints
+from common.server.config import ApiConfig
+from common.server.launch import pid_alive, run_api_server
 from decode_node.process import DecodeOptions, run_scheduler
 
 log = logging.getLogger("decode_node")
+
+STARTUP_TIMEOUT_S = 900.0  # loading a big checkpoint onto a GPU can take minutes
+STOP_GRACE_S = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: from free memory / CPU default)")
     p.add_argument("--num-reserved-decode-tokens", type=int, default=DecodeOptions.reserved_decode_tokens,
                    help="KV headroom kept per running request when admitting new rooms")
+    p.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                   help="scales the decode headroom ratio (new_token_ratio); < 1 admits more rooms and retracts more")
     p.add_argument("--context-length", type=int)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     return p
+
+
+def _sched_config(conservativeness: float) -> SchedulerConfig:
+    """SGLang's --schedule-conservativeness: both ends of the new_token_ratio schedule scale with it."""
+    if conservativeness <= 0:
+        raise ConfigError(f"--schedule-conservativeness must be > 0, got {conservativeness}")
+    base = SchedulerConfig()
+    init = min(base.new_token_ratio_init * conservativeness, 1.0)
+    return replace(base, new_token_ratio_init=init, new_token_ratio_min=min(base.new_token_ratio_min * conservativeness, init))
 
 
 def config_from_args(a: argparse.Namespace) -> tuple[NodeConfig, DecodeOptions]:
@@ -63,7 +85,7 @@ def config_from_args(a: argparse.Namespace) -> tuple[NodeConfig, DecodeOptions]:
         cache=CacheConfig(page_size=a.page_size, mem_fraction_static=a.mem_fraction_static,
                           max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests,
                           enable_prefix_cache=False),
-        sched=SchedulerConfig(),
+        sched=_sched_config(a.schedule_conservativeness),
         attention=AttentionConfig(backend=a.attention_backend),
         transfer=TransferConfig(backend=a.disaggregation_transfer_backend, bootstrap_port=a.disaggregation_bootstrap_port),
         server=ServerConfig(host=a.host, port=a.port),
@@ -71,6 +93,23 @@ def config_from_args(a: argparse.Namespace) -> tuple[NodeConfig, DecodeOptions]:
     if a.num_reserved_decode_tokens < 1:
         raise ConfigError(f"--num-reserved-decode-tokens must be >= 1, got {a.num_reserved_decode_tokens}")
     return resolve(cfg), DecodeOptions(reserved_decode_tokens=a.num_reserved_decode_tokens)
+
+
+def _wait_ready(proc: multiprocessing.process.BaseProcess, conn: Connection, timeout_s: float) -> dict:
+    """The scheduler's start-up report; RuntimeError naming why it failed or timed out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                kind, payload = conn.recv()
+            except EOFError as exc:
+                raise RuntimeError(f"the scheduler process exited during start-up (status {proc.exitcode})") from exc
+            if kind == "ready":
+                return payload
+            raise RuntimeError(f"the scheduler failed to start: {payload}")
+        if not proc.is_alive():
+            raise RuntimeError(f"the scheduler process exited during start-up (status {proc.exitcode})")
+    raise RuntimeError(f"the scheduler did not become ready within {timeout_s:g} s")
 
 
 def _watch_scheduler(proc: multiprocessing.process.BaseProcess, stopping: threading.Event, died: threading.Event) -> None:
@@ -81,37 +120,49 @@ def _watch_scheduler(proc: multiprocessing.process.BaseProcess, stopping: thread
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's handler: graceful shutdown of the API
 
 
+def _stop(proc: multiprocessing.process.BaseProcess) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(STOP_GRACE_S)
+    if proc.is_alive():
+        log.warning("scheduler %s ignored SIGTERM for %g s; killing it", proc.pid, STOP_GRACE_S)
+        proc.kill()
+        proc.join(5.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s decode-api %(name)s: %(message)s")
     try:
         cfg, opts = config_from_args(args)
-        from common.server.config import ApiConfig
-
         api_cfg = ApiConfig.from_node_config(cfg)
         api_cfg.validate()
     except ConfigError as exc:
         print(f"pdcluster decode: {exc}", file=sys.stderr)
         return 2
     endpoints = IpcEndpoints.fresh()
-    # spawn, not fork: the child builds its own torch / ZMQ / Mooncake state from scratch.
-    proc = multiprocessing.get_context("spawn").Process(
-        target=run_scheduler, args=(cfg, opts, endpoints), name="pdc-decode-scheduler")
-    proc.start()
+    ctx = multiprocessing.get_context("spawn")  # not fork: the child builds its own torch / ZMQ / Mooncake state
+    recv_end, send_end = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_scheduler, args=(cfg, opts, endpoints, send_end), name="pdc-decode-scheduler")
     stopping, died = threading.Event(), threading.Event()
-    threading.Thread(target=_watch_scheduler, args=(proc, stopping, died), daemon=True).start()
-    from common.server.launch import pid_alive, run_api_server
-
     try:
-        run_api_server(api_cfg, endpoints, scheduler_alive=pid_alive(proc.pid))  # type: ignore[arg-type]
+        proc.start()
+        send_end.close()  # the child holds the only writer: EOF on our end means it died
+        info = _wait_ready(proc, recv_end, STARTUP_TIMEOUT_S)
+        log.info("decode scheduler %d ready; serving HTTP on %s:%d", info["pid"], args.host, args.port)
+        threading.Thread(target=_watch_scheduler, args=(proc, stopping, died), daemon=True).start()
+        api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
+                                                      "max_total_tokens": info["max_total_tokens"]})
+        run_api_server(api_cfg, endpoints, scheduler_alive=pid_alive(info["pid"]))
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
     finally:
         stopping.set()
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(15)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        _stop(proc)
+        for addr in (endpoints.to_scheduler, endpoints.from_scheduler):
+            with contextlib.suppress(OSError):
+                os.unlink(addr.removeprefix("ipc://"))
     return 1 if died.is_set() else 0
 
 

@@ -6,8 +6,9 @@
     NodeIO.recv (GenerateReq / AbortReq; queries answered inside)  ->  scheduler.add / abort
     scheduler.step()  ->  NodeIO.send(outputs)                       (repeat; never blocks long)
 
-The loop waits for input only when no forward is pending (at most ``IDLE_WAIT_S``, so transfer
-states are still polled often), and exits when told to stop, on SIGTERM, or when the process
+The loop waits for input only when no forward is pending: at most ``POLL_WAIT_S`` while rooms
+are in flight (their transfer states are polled that often), ``IDLE_WAIT_S`` when nothing is
+(a message wakes it at once either way). It exits when told to stop, on SIGTERM, or when the process
 that started it (the node's API process) is gone, so a killed node leaves no orphan behind.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 
 from common import envs
 from common.config import NodeConfig
@@ -31,7 +33,8 @@ from decode_node.stats import DecodeStats
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.002  # longest wait for input while rooms are in flight but nothing can run
+POLL_WAIT_S = 0.002  # longest wait for input while rooms are in flight but nothing can run
+IDLE_WAIT_S = 0.05  # nothing in flight at all: a message still wakes the loop at once
 AUX_TOP_K = 20  # top logprobs of the first token carried in the aux row; prefill and decode must agree
 
 
@@ -105,7 +108,7 @@ class DecodeProcess:
         parent = os.getppid()
         next_check = time.monotonic() + 1.0
         while not stop.is_set():
-            for msg in io.recv(0.0 if sched.busy else IDLE_WAIT_S):
+            for msg in io.recv(0.0 if sched.busy else IDLE_WAIT_S if sched.idle else POLL_WAIT_S):
                 if isinstance(msg, GenerateReq):
                     sched.add(msg)
                 elif isinstance(msg, AbortReq):
@@ -129,13 +132,21 @@ class DecodeProcess:
         self.io.close()
 
 
-def run_scheduler(cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints) -> None:
-    """Entry point of the scheduler process (``multiprocessing`` target)."""
+def run_scheduler(cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints, ready: Connection) -> None:
+    """Entry point of the scheduler process (``multiprocessing`` target). Reports ``("ready", info)``
+    or ``("error", reason)`` on ``ready`` once start-up is over, so the launcher fails fast."""
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s decode-sched %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    proc = DecodeProcess(cfg, opts, endpoints)
+    try:
+        proc = DecodeProcess(cfg, opts, endpoints)
+    except Exception as exc:
+        log.exception("decode scheduler failed to start")
+        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    ready.send(("ready", {"pid": os.getpid(), "max_total_tokens": proc.stats.memory()["total_pages"] * cfg.cache.page_size}))
+    ready.close()
     try:
         proc.serve(stop)
     finally:

@@ -8,7 +8,6 @@ The stage says which queue holds the request and what it owns::
     WAITING      waiting      row + prompt pages (KV landed; first token read from aux)
     RUNNING      running      row + pages
     RETRACTED    retracted    nothing (tokens only; resumes by recompute)
-    RESUMING     resuming     row + pages, recomputing KV chunk by chunk
     DRAINING     draining     receiver (+ pages, aux slot): answered, waits until no write can land
     DONE         -            nothing
 """
@@ -36,7 +35,6 @@ class Stage(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     RETRACTED = "retracted"
-    RESUMING = "resuming"
     DRAINING = "draining"
     DONE = "done"
 

@@ -17,9 +17,9 @@ promised pages as a ``Holder`` and asks three questions:
        worst case  pages(prompt + min(max_new, clip)) - retractable     <= allocatable
 
    ``retractable`` = pages held by running requests: in the worst case we could retract them
-   all and this request alone would still finish. The worst case is capped at the pool size so a
-   request longer than the whole pool is still admitted when the node is idle (it is finished
-   with an error if it really outgrows the pool).
+   all and this request alone would still finish. Both are capped at the pool size so a request
+   longer than the whole pool is still admitted when the node is idle (it is finished with an
+   error if it really outgrows the pool).
 3. ``pick_victims``: the next decode step needs one page per request whose last page is full.
    When the free pages do not cover it, retract (in order) the running request with the fewest
    output tokens, ties broken by the longest prompt — it has streamed the least and frees the
@@ -125,7 +125,8 @@ class DecodeBudget:
     def can_prealloc(self, prompt_len: int, max_new_tokens: int, allocatable: int, retractable_pages: int,
                      ratio: float) -> bool:
         steps = max(max_new_tokens - 1, 0)
-        need = self.pages(prompt_len + self.headroom_tokens(steps, ratio))
+        # Capped at the pool so an idle node always admits what fits at all.
+        need = min(self.pages(prompt_len + self.headroom_tokens(steps, ratio)), self.cfg.total_pages)
         if need > allocatable:
             return False
         worst = min(self.pages(prompt_len + min(steps, self.cfg.clip_max_new_tokens)), self.cfg.total_pages)

@@ -103,3 +103,10 @@ def test_config_rejects_nonsense() -> None:
         DecodeBudgetConfig(page_size=4, total_pages=10, ratio_init=0.1, ratio_min=0.5)
     with pytest.raises(ValueError):
         DecodeBudgetConfig(page_size=0, total_pages=10)
+
+
+def test_immediate_need_is_capped_at_the_pool_too() -> None:
+    b = budget(total=4)
+    # headroom 21 tokens would ask for pages(6 + 21) = 7 > 4 pages: an idle node must still admit it
+    assert b.can_prealloc(6, 30, allocatable=4, retractable_pages=0, ratio=0.7)
+    assert not b.can_prealloc(6, 30, allocatable=3, retractable_pages=0, ratio=0.7)

@@ -439,3 +439,33 @@ def test_load_and_metrics_report_queues() -> None:
     rig.run()
     assert rig.stats.flush_cache()[0]
     rig.assert_clean()
+
+
+def test_a_request_outgrowing_the_whole_pool_fails_alone_and_cleanly() -> None:
+    rig = Rig(pages=4, reserved=1)  # 16 tokens of KV in all
+    rig.add("long", prompt_of(1, 6), 30, room=1, stream=True)
+    rig.run()
+    fin = rig.final("long")
+    assert fin.http_status == 500 and "out of KV memory" in (fin.error or "")
+    assert rig.tokens("long") == reference(prompt_of(1, 6), 30)[: len(rig.tokens("long"))]
+    assert len(rig.tokens("long")) == 16 - 6 + 1  # every slot used: the last token needs none
+    rig.assert_clean()
+
+
+def test_fail_all_answers_every_request_with_500_and_fences_transfers() -> None:
+    rig = Rig()
+    rig.add("run", prompt_of(1, 5), 20, room=1)
+    rig.step()
+    rig.step()
+    rig.add("xfer", prompt_of(2, 5), 20, room=2)
+    rig.add("local", prompt_of(3, 5), 20)
+    rig.sched.step()  # "xfer" gets its pages; nobody completes it
+    assert [r.rid for r in rig.sched.transfer] == ["xfer"]
+    for o in rig.sched.fail_all("internal error in the decode scheduler: boom"):
+        rig.outputs.setdefault(o.rid, []).append(o)
+    for rid in ("run", "xfer", "local"):
+        assert rig.final(rid).http_status == 500 and "boom" in (rig.final(rid).error or "")
+    assert rig.sched.draining and rig.hub.rx[2].abort_pending is not None
+    rig.hub.rx[2].status = KVPoll.Failed  # the prefill answers the abort
+    rig.run()
+    rig.assert_clean()

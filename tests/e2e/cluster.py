@@ -1,0 +1,219 @@
+"""Whole-node helpers: prefill + decode node processes on free loopback ports, driven like sglang-router.
+
+    start_cluster(model_dir, backend="mooncake", decode_args=(), prefill_args=(), env=None) -> Cluster
+    Cluster.pd(path, body) -> (prefill response, decode response)   both nodes at once, same room
+    Cluster.pd_stream(path, body) -> decode SSE events (dicts), prefill answer read to its end
+    wait_idle(url) -> the node's /debug/memory once it is back at its idle baseline (bounded)
+
+Every process is started in its own session and killed by process group in a ``finally`` (SIGTERM,
+then SIGKILL), so a failing test leaves nothing behind. Start-up waits for ``/health`` with a bound
+and fails at once, with the node's log tail, if a process exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+STARTUP_TIMEOUT_S = 120.0
+IDLE_TIMEOUT_S = 20.0
+_rooms = itertools.count(random.randrange(1, 2**40))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def next_room() -> int:
+    return next(_rooms)
+
+
+@dataclass
+class Node:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log_tail(self, n: int = 40) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+        return ""
+
+    def kill(self, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> None:
+        """Stop the node and every process it started (its own session = process group)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def start_node(role: str, model_dir: str, args: list[str], env: dict[str, str] | None, logdir: str) -> Node:
+    port = free_port()
+    log_path = os.path.join(logdir, f"{role}-{port}.log")
+    full_env = {**os.environ, "PDC_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR", **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"{role}_node", "--model-path", model_dir, "--host", "127.0.0.1",
+             "--port", str(port), *args],
+            cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return Node(role, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def wait_healthy(nodes: list[Node], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(nodes)
+    while pending:
+        for n in list(pending):
+            if n.proc.poll() is not None:
+                raise RuntimeError(f"{n.name} node exited with {n.proc.returncode} during start-up:\n{n.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(n.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(n)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{[n.name for n in pending]} not healthy within {timeout_s:g} s:\n"
+                               + "\n".join(n.log_tail() for n in pending))
+        if pending:
+            time.sleep(0.3)
+
+
+def memory(url: str) -> dict:
+    r = httpx.get(url + "/debug/memory", timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def is_idle(mem: dict) -> bool:
+    """Nothing held: pages free or merely cached (unlocked), every row and aux slot back, no room."""
+    ok = (mem["free_pages"] + mem.get("evictable_pages", 0) == mem["total_pages"]
+          and mem.get("locked_pages", 0) == 0 and mem["free_req_slots"] == mem["total_req_slots"]
+          and mem.get("transfer_rooms", 0) == 0 and mem.get("integrity", "ok") == "ok")
+    if "aux_total_slots" in mem:
+        ok = ok and mem["aux_free_slots"] == mem["aux_total_slots"]
+    return ok
+
+
+def wait_idle(url: str, timeout_s: float = IDLE_TIMEOUT_S) -> dict:
+    """Poll /debug/memory until the node holds nothing (bounded); returns the last report."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mem = memory(url)
+        if is_idle(mem):
+            return mem
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} did not return to idle within {timeout_s:g} s: {mem}")
+        time.sleep(0.1)
+
+
+@dataclass
+class Cluster:
+    prefill: Node
+    decode: Node
+    bootstrap_port: int
+    model_dir: str
+    extra_nodes: list[Node] = field(default_factory=list)
+    common_args: list[str] = field(default_factory=list)  # backend and page size, for extra nodes
+
+    def body(self, body: dict, room: int | None = None, bootstrap_port: int | None = None) -> dict:
+        """``body`` plus the bootstrap fields sglang-router adds."""
+        return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port or self.bootstrap_port,
+                "bootstrap_room": next_room() if room is None else room}
+
+    def pd(self, path: str, body: dict, timeout_s: float = 60.0, prefill_url: str | None = None,
+           bootstrap_port: int | None = None) -> tuple[httpx.Response, httpx.Response]:
+        """POST the same body (with one room) to a prefill and the decode node at once."""
+        b = self.body(body, bootstrap_port=bootstrap_port)
+        pb = {**b, "stream": True}  # the router asks the prefill for a stream
+        with ThreadPoolExecutor(2) as ex:
+            p = ex.submit(httpx.post, (prefill_url or self.prefill.url) + path, json=pb, timeout=timeout_s)
+            d = ex.submit(httpx.post, self.decode.url + path, json=b, timeout=timeout_s)
+            return p.result(), d.result()
+
+    def pd_stream(self, path: str, body: dict, timeout_s: float = 60.0,
+                  on_event: Callable[[dict], bool] | None = None) -> tuple[httpx.Response, list[dict], int]:
+        """Stream the decode answer; ``on_event`` returning False closes the stream early (a client
+        disconnect). Returns (prefill response, decode events, decode status)."""
+        b = self.body({**body, "stream": True})
+        events: list[dict] = []
+        status = [0]
+
+        def run_decode() -> None:
+            with httpx.stream("POST", self.decode.url + path, json=b, timeout=timeout_s) as r:
+                status[0] = r.status_code
+                if r.status_code != 200:
+                    r.read()
+                    events.append({"http_error": r.status_code, "body": r.text})
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        events.append({"done": True})
+                        return
+                    ev = json.loads(line[len("data: "):])
+                    events.append(ev)
+                    if on_event is not None and not on_event(ev):
+                        return  # leaving the context manager closes the connection
+
+        with ThreadPoolExecutor(2) as ex:
+            p = ex.submit(httpx.post, self.prefill.url + path, json=b, timeout=timeout_s)
+            d = ex.submit(run_decode)
+            d.result()
+            return p.result(), events, status[0]
+
+    def wait_idle(self) -> None:
+        for n in (self.prefill, self.decode, *self.extra_nodes):
+            if n.proc.poll() is None:
+                wait_idle(n.url)
+
+    def start_prefill(self, args: list[str] = (), env: dict[str, str] | None = None) -> tuple[Node, int]:  # type: ignore[assignment]
+        """An extra prefill node (killed with the cluster); returns it and its bootstrap port."""
+        port = free_port()
+        node = start_node("prefill", self.model_dir, ["--disaggregation-bootstrap-port", str(port), *self.common_args, *args],
+                          env, os.path.dirname(self.prefill.log_path))
+        self.extra_nodes.append(node)
+        wait_healthy([node])
+        return node, port
+
+    def stop(self) -> None:
+        for n in (*self.extra_nodes, self.prefill, self.decode):
+            n.kill()
+
+
+@contextlib.contextmanager
+def running_cluster(model_dir: str, backend: str = "mooncake", decode_args: list[str] = (),  # type: ignore[assignment]
+                    prefill_args: list[str] = (), env: dict[str, str] | None = None) -> Iterator[Cluster]:  # type: ignore[assignment]
+    logdir = tempfile.mkdtemp(prefix="pdc-e2e-")
+    boot = free_port()
+    common = ["--disaggregation-transfer-backend", backend, "--page-size", "16"]
+    p = start_node("prefill", model_dir, ["--disaggregation-bootstrap-port", str(boot), *common, *prefill_args], env, logdir)
+    d = start_node("decode", model_dir, [*common, *decode_args], env, logdir)
+    cluster = Cluster(p, d, boot, model_dir, common_args=common)
+    try:
+        wait_healthy([p, d])
+        yield cluster
+    finally:
+        cluster.stop()

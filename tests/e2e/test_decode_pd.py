@@ -1,0 +1,181 @@
+"""A prefill node and a decode node, real Mooncake over TCP, driven as sglang-router drives them:
+greedy outputs equal HF ``generate`` token for token (near-tie rule), for concurrent mixed requests
+on both tiny archs; then every node returns to its idle memory baseline.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.e2e.cluster import Cluster, memory, running_cluster
+from tests.reference import hf_greedy, hf_logits
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def cluster(request: pytest.FixtureRequest, tiny_model_factory) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    with running_cluster(tiny_model_factory(request.param)) as c:
+        yield c
+
+
+def check_greedy(model_dir: str, prompt: list[int], got: list[int], n: int, what: str) -> None:
+    """``got`` equals HF greedy, except after a step where HF's top-2 gap is a near-tie."""
+    want, gaps = hf_greedy(model_dir, prompt, n)
+    for step, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert gaps[step] < NEAR_TIE, f"{what}: step {step} got {g}, HF {w} (top-2 gap {gaps[step]:.3g})"
+            print(f"{what}: near-tie at step {step} (gap {gaps[step]:.2e})")
+            return
+    assert len(got) == n and got == want, f"{what}: got {got}, HF {want}"
+
+
+def _tokenizer(model_dir: str):  # type: ignore[no-untyped-def]
+    from common.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+def test_concurrent_mixed_requests_match_hf(cluster: Cluster) -> None:
+    tok = _tokenizer(cluster.model_dir)
+    rng = random.Random(7)
+    vocab = tok.vocab_size
+    jobs = []
+    for i in range(20):
+        n = rng.randrange(2, 14)
+        stream = i % 2 == 1
+        if i % 4 < 2:  # native /generate on token ids, lengths 1..70
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 17, 33, 70]))]
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+            jobs.append(("/generate", body, prompt, n, stream))
+        else:  # OpenAI chat
+            msgs = [{"role": "user", "content": " ".join(rng.choice(["disaggregated", "prefill", "decode", "KV",
+                                                                       "cache", "pages", "héllo", "日本"])
+                                                            for _ in range(rng.randrange(1, 12)))}]
+            prompt = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+            body = {"model": None, "messages": msgs, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "stream_options": {"include_usage": True} if stream else None}
+            jobs.append(("/v1/chat/completions", body, prompt, n, stream))
+
+    def run(job: tuple) -> tuple[list[int] | str, dict]:
+        path, body, _, _, stream = job
+        if not stream:
+            p, d = cluster.pd(path, body)
+            assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+            out = d.json()
+            if path == "/generate":
+                return out["output_ids"], {"finish": out["meta_info"]["finish_reason"]["type"],
+                                           "completion": out["meta_info"]["completion_tokens"]}
+            return out["choices"][0]["message"]["content"], {"finish": out["choices"][0]["finish_reason"],
+                                                             "completion": out["usage"]["completion_tokens"]}
+        p, events, status = cluster.pd_stream(path, body)
+        assert p.status_code == 200 and status == 200, (p.text, events[-1:])
+        assert events[-1] == {"done": True}
+        if path == "/generate":
+            last = events[-2]
+            assert len(events) > 2  # incremental chunks, not one blob
+            return last["output_ids"], {"finish": last["meta_info"]["finish_reason"]["type"],
+                                        "completion": last["meta_info"]["completion_tokens"]}
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e.get("choices"))
+        finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e.get("choices")][-1]
+        return text, {"finish": finish, "completion": events[-2]["usage"]["completion_tokens"]}
+
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        results = list(ex.map(run, jobs))
+    for i, (job, (got, meta)) in enumerate(zip(jobs, results)):
+        path, _, prompt, n, stream = job
+        what = f"job {i} {path} stream={stream} prompt_len={len(prompt)}"
+        assert meta == {"finish": "length", "completion": n}, (what, meta)
+        if isinstance(got, list):
+            check_greedy(cluster.model_dir, prompt, got, n, what)
+        else:
+            want, gaps = hf_greedy(cluster.model_dir, prompt, n)
+            tie = next((k for k, g in enumerate(gaps) if g < NEAR_TIE), n)
+            assert got.startswith(tok.decode(want[:tie])), (what, got, tok.decode(want))
+            if tie == n:
+                assert got == tok.decode(want), (what, got, tok.decode(want))
+    cluster.wait_idle()
+
+
+def test_logprobs_first_from_prefill_then_decode_match_hf(cluster: Cluster) -> None:
+    prompt = [11, 42, 7, 99, 300, 5]
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    p, d = cluster.pd("/generate", body)
+    assert p.status_code == 200 and d.status_code == 200, d.text
+    meta = d.json()["meta_info"]
+    ids = d.json()["output_ids"]
+    check_greedy(cluster.model_dir, prompt, ids, 5, "logprobs request")
+    logp = torch.log_softmax(hf_logits(cluster.model_dir, prompt + ids), dim=-1)  # [T, vocab]
+    for k, (lp, tid, _) in enumerate(meta["output_token_logprobs"]):
+        want = float(logp[len(prompt) - 1 + k, tid])
+        assert math.isclose(lp, want, abs_tol=1e-3), (k, lp, want)  # k = 0 came through the aux row
+        top = meta["output_top_logprobs"][k]
+        assert len(top) == 3 and top[0][1] == tid
+    cluster.wait_idle()
+
+
+def test_stop_token_and_completions_endpoint(cluster: Cluster) -> None:
+    tok = _tokenizer(cluster.model_dir)
+    prompt_text = "the decode node streams"
+    prompt = tok.encode(prompt_text)
+    want, _ = hf_greedy(cluster.model_dir, prompt, 10)
+    stop_id = want[3]
+    cut = want[: want.index(stop_id) + 1]  # the stop token is the last one generated
+    body = {"model": None, "prompt": prompt_text, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [stop_id]}
+    p, d = cluster.pd("/v1/completions", body)
+    assert p.status_code == 200 and d.status_code == 200, d.text
+    out = d.json()
+    assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["matched_stop"] == stop_id
+    assert out["usage"]["completion_tokens"] == len(cut) and out["usage"]["prompt_tokens"] == len(prompt)
+    assert out["choices"][0]["text"] == tok.decode(cut[:-1])  # the matched stop token is not shown
+    p, events, status = cluster.pd_stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == {"done": True}
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode(cut[:-1])
+    assert events[-2]["usage"]["completion_tokens"] == len(cut)
+    cluster.wait_idle()
+
+
+def test_stop_string_is_held_back_and_cut(cluster: Cluster) -> None:
+    tok = _tokenizer(cluster.model_dir)
+    prompt = [21, 22, 23, 24, 25, 26]
+    want, _ = hf_greedy(cluster.model_dir, prompt, 12)
+    full = tok.decode(want)
+    # the first 2-character piece from the second character on that is plain text and occurs first there
+    stop = next((full[i:i + 2] for i in range(1, len(full) - 2)
+                 if "\ufffd" not in full[i:i + 2] and full[i:i + 2].strip() and full.index(full[i:i + 2]) == i), None)
+    if stop is None:
+        pytest.skip(f"reference text {full!r} has no usable stop string")
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                     "stop": [stop]}}
+    p, events, status = cluster.pd_stream("/generate", body)
+    assert status == 200 and p.status_code == 200
+    last = events[-2]
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert last["text"] == full[: full.index(stop)]
+    assert all(stop not in e["text"] for e in events[:-1])  # never shown, not even for one chunk
+    cluster.wait_idle()
+
+
+def test_ops_endpoints_on_the_decode_node(cluster: Cluster) -> None:
+    import httpx
+
+    d = cluster.decode.url
+    load = httpx.get(d + "/get_load", timeout=10).json()
+    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    info = httpx.get(d + "/server_info", timeout=10).json()
+    assert info["disaggregation_mode"] == "decode"
+    text = httpx.get(d + "/metrics", timeout=10).text
+    assert "pdc_scheduler_num_running_reqs" in text and "pdc_scheduler_gen_throughput" in text
+    assert httpx.post(d + "/flush_cache", timeout=10).status_code == 200
+    assert httpx.get(d + "/health_generate", timeout=30).status_code == 200  # a local request, computed here
+    mem = memory(d)
+    assert mem["integrity"] == "ok" and mem["transfer_rooms"] == 0
