@@ -1,9 +1,11 @@
 """Whole-node helpers: prefill + decode node processes on free loopback ports, driven like sglang-router.
 
-    start_cluster(model_dir, backend="mooncake", decode_args=(), prefill_args=(), env=None) -> Cluster
-    Cluster.pd(path, body) -> (prefill response, decode response)   both nodes at once, same room
-    Cluster.pd_stream(path, body) -> decode SSE events (dicts), prefill answer read to its end
-    wait_idle(url) -> the node's /debug/memory once it is back at its idle baseline (bounded)
+    with running_cluster(model_dir, backend="mooncake", decode_args=[...], prefill_args=[...], env={...}) as c:
+    c.pd(path, body) -> (prefill response, decode response)     both nodes at once, one room, like sglang-router
+    c.pd_stream(path, body, on_event) -> (prefill response, decode SSE events, decode status)
+    c.start_prefill() -> (extra prefill node, its bootstrap port)  killed with the cluster
+    c.wait_idle() / wait_idle(url)                            /debug/memory back at idle (bounded) or fail
+    check_greedy(model_dir, prompt, output_ids, n, what)      HF greedy equality with the near-tie rule
 
 Every process is started in its own session and killed by process group in a ``finally`` (SIGTERM,
 then SIGKILL), so a failing test leaves nothing behind. Start-up waits for ``/health`` with a bound
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import httpx
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+NEAR_TIE = 1e-3  # a top-2 logit gap below this is a tie float noise may break either way
 STARTUP_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 20.0
 _rooms = itertools.count(random.randrange(1, 2**40))
@@ -217,3 +220,16 @@ def running_cluster(model_dir: str, backend: str = "mooncake", decode_args: list
         yield cluster
     finally:
         cluster.stop()
+
+
+def check_greedy(model_dir: str, prompt: list[int], got: list[int], n: int, what: str) -> None:
+    """``got`` equals HF greedy, except after a step where HF's top-2 gap is a near-tie."""
+    from tests.reference import hf_greedy
+
+    want, gaps = hf_greedy(model_dir, prompt, n)
+    for step, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert gaps[step] < NEAR_TIE, f"{what}: step {step} got {g}, HF {w} (top-2 gap {gaps[step]:.3g})"
+            print(f"{what}: near-tie at step {step} (gap {gaps[step]:.2e})")
+            return
+    assert len(got) == n and got == want, f"{what}: got {got}, HF {want}"

@@ -1,24 +1,20 @@
-"""Fixtures of the e2e tier (helpers live in ``tests/e2e/cluster.py``)."""
+"""Fixtures of the e2e tier; the helpers (process start/kill, router-shaped requests, idle-memory
+checks, the HF comparison) live in ``tests/e2e/cluster.py``.
+
+    pd_cluster   a prefill node + a decode node over real Mooncake TCP on loopback, one per tiny
+                 arch (tests using it run for qwen3 and llama); shared by the tests of a module,
+                 torn down (process groups killed) when the module is done with that arch
+"""
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
 from tests.e2e.cluster import Cluster, running_cluster
 
 
-@pytest.fixture(scope="module")
-def cluster_factory() -> Iterator[Callable[..., Cluster]]:
-    """Start clusters that live until the end of the module (several tests share one)."""
-    stack = contextlib.ExitStack()
-
-    def make(*args: Any, **kw: Any) -> Cluster:
-        return stack.enter_context(running_cluster(*args, **kw))
-
-    with stack:
-        yield make
-
-
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def pd_cluster(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., str]) -> Iterator[Cluster]:
+    with running_cluster(tiny_model_factory(request.param)) as c:
+        yield c

@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, next_room, running_cluster, wait_idle
-from tests.e2e.test_decode_pd import check_greedy
+from tests.e2e.cluster import Cluster, check_greedy, next_room, running_cluster, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

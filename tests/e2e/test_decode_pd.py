@@ -6,36 +6,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.e2e.cluster import Cluster, memory, running_cluster
+from tests.e2e.cluster import NEAR_TIE, Cluster, check_greedy, memory
 from tests.reference import hf_greedy, hf_logits
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-NEAR_TIE = 1e-3
-
-
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
-def cluster(request: pytest.FixtureRequest, tiny_model_factory) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    with running_cluster(tiny_model_factory(request.param)) as c:
-        yield c
-
-
-def check_greedy(model_dir: str, prompt: list[int], got: list[int], n: int, what: str) -> None:
-    """``got`` equals HF greedy, except after a step where HF's top-2 gap is a near-tie."""
-    want, gaps = hf_greedy(model_dir, prompt, n)
-    for step, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            assert gaps[step] < NEAR_TIE, f"{what}: step {step} got {g}, HF {w} (top-2 gap {gaps[step]:.3g})"
-            print(f"{what}: near-tie at step {step} (gap {gaps[step]:.2e})")
-            return
-    assert len(got) == n and got == want, f"{what}: got {got}, HF {want}"
-
 
 def _tokenizer(model_dir: str):  # type: ignore[no-untyped-def]
     from common.tokenizer import Tokenizer
@@ -43,8 +22,8 @@ def _tokenizer(model_dir: str):  # type: ignore[no-untyped-def]
     return Tokenizer(model_dir)
 
 
-def test_concurrent_mixed_requests_match_hf(cluster: Cluster) -> None:
-    tok = _tokenizer(cluster.model_dir)
+def test_concurrent_mixed_requests_match_hf(pd_cluster: Cluster) -> None:
+    tok = _tokenizer(pd_cluster.model_dir)
     rng = random.Random(7)
     vocab = tok.vocab_size
     jobs = []
@@ -67,7 +46,7 @@ def test_concurrent_mixed_requests_match_hf(cluster: Cluster) -> None:
     def run(job: tuple) -> tuple[list[int] | str, dict]:
         path, body, _, _, stream = job
         if not stream:
-            p, d = cluster.pd(path, body)
+            p, d = pd_cluster.pd(path, body)
             assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
             out = d.json()
             if path == "/generate":
@@ -75,7 +54,7 @@ def test_concurrent_mixed_requests_match_hf(cluster: Cluster) -> None:
                                            "completion": out["meta_info"]["completion_tokens"]}
             return out["choices"][0]["message"]["content"], {"finish": out["choices"][0]["finish_reason"],
                                                              "completion": out["usage"]["completion_tokens"]}
-        p, events, status = cluster.pd_stream(path, body)
+        p, events, status = pd_cluster.pd_stream(path, body)
         assert p.status_code == 200 and status == 200, (p.text, events[-1:])
         assert events[-1] == {"done": True}
         if path == "/generate":
@@ -94,60 +73,60 @@ def test_concurrent_mixed_requests_match_hf(cluster: Cluster) -> None:
         what = f"job {i} {path} stream={stream} prompt_len={len(prompt)}"
         assert meta == {"finish": "length", "completion": n}, (what, meta)
         if isinstance(got, list):
-            check_greedy(cluster.model_dir, prompt, got, n, what)
+            check_greedy(pd_cluster.model_dir, prompt, got, n, what)
         else:
-            want, gaps = hf_greedy(cluster.model_dir, prompt, n)
+            want, gaps = hf_greedy(pd_cluster.model_dir, prompt, n)
             tie = next((k for k, g in enumerate(gaps) if g < NEAR_TIE), n)
             assert got.startswith(tok.decode(want[:tie])), (what, got, tok.decode(want))
             if tie == n:
                 assert got == tok.decode(want), (what, got, tok.decode(want))
-    cluster.wait_idle()
+    pd_cluster.wait_idle()
 
 
-def test_logprobs_first_from_prefill_then_decode_match_hf(cluster: Cluster) -> None:
+def test_logprobs_first_from_prefill_then_decode_match_hf(pd_cluster: Cluster) -> None:
     prompt = [11, 42, 7, 99, 300, 5]
     body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3,
             "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
-    p, d = cluster.pd("/generate", body)
+    p, d = pd_cluster.pd("/generate", body)
     assert p.status_code == 200 and d.status_code == 200, d.text
     meta = d.json()["meta_info"]
     ids = d.json()["output_ids"]
-    check_greedy(cluster.model_dir, prompt, ids, 5, "logprobs request")
-    logp = torch.log_softmax(hf_logits(cluster.model_dir, prompt + ids), dim=-1)  # [T, vocab]
+    check_greedy(pd_cluster.model_dir, prompt, ids, 5, "logprobs request")
+    logp = torch.log_softmax(hf_logits(pd_cluster.model_dir, prompt + ids), dim=-1)  # [T, vocab]
     for k, (lp, tid, _) in enumerate(meta["output_token_logprobs"]):
         want = float(logp[len(prompt) - 1 + k, tid])
         assert math.isclose(lp, want, abs_tol=1e-3), (k, lp, want)  # k = 0 came through the aux row
         top = meta["output_top_logprobs"][k]
         assert len(top) == 3 and top[0][1] == tid
-    cluster.wait_idle()
+    pd_cluster.wait_idle()
 
 
-def test_stop_token_and_completions_endpoint(cluster: Cluster) -> None:
-    tok = _tokenizer(cluster.model_dir)
+def test_stop_token_and_completions_endpoint(pd_cluster: Cluster) -> None:
+    tok = _tokenizer(pd_cluster.model_dir)
     prompt_text = "the decode node streams"
     prompt = tok.encode(prompt_text)
-    want, _ = hf_greedy(cluster.model_dir, prompt, 10)
+    want, _ = hf_greedy(pd_cluster.model_dir, prompt, 10)
     stop_id = want[3]
     cut = want[: want.index(stop_id) + 1]  # the stop token is the last one generated
     body = {"model": None, "prompt": prompt_text, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
             "stop_token_ids": [stop_id]}
-    p, d = cluster.pd("/v1/completions", body)
+    p, d = pd_cluster.pd("/v1/completions", body)
     assert p.status_code == 200 and d.status_code == 200, d.text
     out = d.json()
     assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["matched_stop"] == stop_id
     assert out["usage"]["completion_tokens"] == len(cut) and out["usage"]["prompt_tokens"] == len(prompt)
     assert out["choices"][0]["text"] == tok.decode(cut[:-1])  # the matched stop token is not shown
-    p, events, status = cluster.pd_stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    p, events, status = pd_cluster.pd_stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert status == 200 and events[-1] == {"done": True}
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode(cut[:-1])
     assert events[-2]["usage"]["completion_tokens"] == len(cut)
-    cluster.wait_idle()
+    pd_cluster.wait_idle()
 
 
-def test_stop_string_is_held_back_and_cut(cluster: Cluster) -> None:
-    tok = _tokenizer(cluster.model_dir)
+def test_stop_string_is_held_back_and_cut(pd_cluster: Cluster) -> None:
+    tok = _tokenizer(pd_cluster.model_dir)
     prompt = [21, 22, 23, 24, 25, 26]
-    want, _ = hf_greedy(cluster.model_dir, prompt, 12)
+    want, _ = hf_greedy(pd_cluster.model_dir, prompt, 12)
     full = tok.decode(want)
     # the first 2-character piece from the second character on that is plain text and occurs first there
     stop = next((full[i:i + 2] for i in range(1, len(full) - 2)
@@ -156,19 +135,19 @@ def test_stop_string_is_held_back_and_cut(cluster: Cluster) -> None:
         pytest.skip(f"reference text {full!r} has no usable stop string")
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True,
                                                      "stop": [stop]}}
-    p, events, status = cluster.pd_stream("/generate", body)
+    p, events, status = pd_cluster.pd_stream("/generate", body)
     assert status == 200 and p.status_code == 200
     last = events[-2]
     assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert last["text"] == full[: full.index(stop)]
     assert all(stop not in e["text"] for e in events[:-1])  # never shown, not even for one chunk
-    cluster.wait_idle()
+    pd_cluster.wait_idle()
 
 
-def test_ops_endpoints_on_the_decode_node(cluster: Cluster) -> None:
+def test_ops_endpoints_on_the_decode_node(pd_cluster: Cluster) -> None:
     import httpx
 
-    d = cluster.decode.url
+    d = pd_cluster.decode.url
     load = httpx.get(d + "/get_load", timeout=10).json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     info = httpx.get(d + "/server_info", timeout=10).json()
