@@ -22,9 +22,8 @@ Aborts (client gone, /abort_request) are answered at once. A room whose Transfer
 still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
 terminal state (the transfer layer's fence, bounded by its timeouts), then are freed once.
 
-Retraction resumes by **recompute**, not host offload: the decode node has the model anyway, no
-host pool must be sized and budgeted, and recomputed KV gives the same greedy tokens (up to
-near-ties). Offload would beat recompute for long contexts on a GPU; it is not built.
+Retraction resumes by **recompute**, not host offload: the model is here anyway, no host pool
+must be budgeted, and recomputed KV gives the same greedy tokens (up to near-ties).
 """
 from __future__ import annotations
 
@@ -137,6 +136,8 @@ class DecodeScheduler:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
+        if not self.reqs:
+            self.ratio.reset()
         self._drain()
         self._poll_transfer()
         self._resume_retracted()  # retracted first: they go before any new room
@@ -358,7 +359,8 @@ class DecodeScheduler:
         log.warning("%s", message)
         self._remove(r)
         self._free(r)
-        self.reqs.pop(r.rid, None)
+        if self.reqs.get(r.rid) is r:  # a rejected duplicate must not drop the live request
+            del self.reqs[r.rid]
         r.stage = Stage.DONE
         self.counters["failed"] += 1
         r.finish, r.error, r.http_status = FinishReason(type="abort", message=message), message, status
@@ -392,9 +394,6 @@ class DecodeScheduler:
                 q.remove(r)
                 return
 
-    # ---- output ---------------------------------------------------------------------------------
-
     def _emit(self, r: DecodeReq) -> None:
-        """New tokens since the last output (non-streaming requests: only the final one)."""
-        if r.finish is not None or r.stream:
+        if r.finish is not None or r.stream:  # non-streaming requests: only the final output
             self._outbox.append(r.take_output())

@@ -26,8 +26,9 @@ promised pages as a ``Holder`` and asks three questions:
    most — until the rest fit for ``retract_decode_steps`` more steps. One request always stays.
 
 ``NewTokenRatio`` is seed 000 §9.3: the share of a request's remaining ``max_new_tokens`` kept as
-headroom starts conservative (0.7), decays linearly every decode step to a floor (0.1), and after
-a retraction jumps back up to what the surviving requests have really been using.
+headroom starts conservative (0.7), decays linearly every decode step to a floor (0.1), after a
+retraction jumps back up to what the surviving requests have really been using, and returns to
+its start whenever the node is idle (as SGLang does when its running batch empties).
 """
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ class NewTokenRatio:
         self.floor = floor
         self.decay = (init - floor) / decay_steps
         self.value = init
+
+    def reset(self) -> None:
+        """Back to the conservative start (an idle node: the next busy period learns afresh)."""
+        self.value = self.init
 
     def on_decode_step(self) -> None:
         self.value = max(self.value - self.decay, self.floor)

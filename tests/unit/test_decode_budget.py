@@ -96,6 +96,8 @@ def test_new_token_ratio_decays_to_floor_and_rises_after_retraction() -> None:
     assert r.value == pytest.approx(30 / 41)
     r.on_retract([Holder(kv_len=0, steps_left=1000, held_pages=0, output_len=0)], steps=1)
     assert r.value == pytest.approx(30 / 41)  # never relaxes on a retraction
+    r.reset()
+    assert r.value == 0.7
 
 
 def test_config_rejects_nonsense() -> None:

@@ -414,7 +414,7 @@ def test_retracted_requests_resume_before_new_rooms() -> None:
     rig.assert_clean()
 
 
-def test_new_token_ratio_decays_per_decode_step() -> None:
+def test_new_token_ratio_decays_per_decode_step_and_resets_when_idle() -> None:
     rig = Rig()
     r0 = rig.sched.ratio.value
     rig.add("a", prompt_of(1, 4), 10, room=1)
@@ -422,6 +422,8 @@ def test_new_token_ratio_decays_per_decode_step() -> None:
     steps = len(rig.engine.decode_batches)
     assert steps == 9
     assert rig.sched.ratio.value == pytest.approx(r0 - steps * rig.sched.ratio.decay)
+    rig.step()  # idle
+    assert rig.sched.ratio.value == r0
 
 
 def test_load_and_metrics_report_queues() -> None:
