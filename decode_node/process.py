@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -28,6 +26,8 @@ from common.protocol import AbortReq, GenerateReq, IpcEndpoints
 from common.sched.decode_budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.sched.node_io import NodeIO
 from common.sched.stop import StopChecker
+from common.server.node_launch import advertise_host, run_scheduler_process
+from transfer.aux import AUX_TOP_K
 from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats
 
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.002  # longest wait for input while rooms are in flight but nothing can run
 IDLE_WAIT_S = 0.05  # nothing in flight at all: a message still wakes the loop at once
-AUX_TOP_K = 20  # top logprobs of the first token carried in the aux row; prefill and decode must agree
 
 
 @dataclass(frozen=True)
@@ -47,18 +46,6 @@ class DecodeOptions:
     # full running batch would stop all pre-allocation and the next requests' transfers.
     prealloc_rows: int | None = None  # None -> max_running_requests
     aux_top_k: int = AUX_TOP_K
-
-
-def advertise_host(host: str) -> str:
-    """The address peers should use to reach us: ``host`` unless it is a wildcard."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outgoing interface
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 class DecodeProcess:
@@ -127,6 +114,9 @@ class DecodeProcess:
                     log.error("the decode node's API process is gone; scheduler exits")
                     return
 
+    def ready_info(self) -> dict:
+        return {"max_total_tokens": self.stats.memory()["total_pages"] * self.runner.memory.page_size}
+
     def close(self) -> None:
         self.manager.close()
         self.io.close()
@@ -135,19 +125,4 @@ class DecodeProcess:
 def run_scheduler(cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints, ready: Connection) -> None:
     """Entry point of the scheduler process (``multiprocessing`` target). Reports ``("ready", info)``
     or ``("error", reason)`` on ``ready`` once start-up is over, so the launcher fails fast."""
-    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s decode-sched %(name)s: %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        proc = DecodeProcess(cfg, opts, endpoints)
-    except Exception as exc:
-        log.exception("decode scheduler failed to start")
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    ready.send(("ready", {"pid": os.getpid(), "max_total_tokens": proc.stats.memory()["total_pages"] * cfg.cache.page_size}))
-    ready.close()
-    try:
-        proc.serve(stop)
-    finally:
-        proc.close()
+    run_scheduler_process("decode-sched", lambda: DecodeProcess(cfg, opts, endpoints), ready)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +24,8 @@ from common import envs
 from common.config import NodeConfig
 from common.protocol import IpcEndpoints
 from common.sched.node_io import NodeIO
+from common.server.node_launch import advertise_host, run_scheduler_process
+from transfer.aux import AUX_TOP_K
 from common.sched.prefill_adder import PrefillBudget
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 
 BUSY_WAIT_S = 0.002  # rooms in flight but nothing to compute: poll their states this often
 IDLE_WAIT_S = 0.05  # nothing in flight: wake this often to notice a vanished parent
-# Top logprobs of the first token carried in the aux row. Part of the wire layout: the decode
-# node's value must be the same (checked when the decode registers its KV args).
-AUX_TOP_K = 20
 
 
 @dataclass(frozen=True)
@@ -44,20 +41,6 @@ class PrefillOptions:
     """Prefill-only settings that have no home in ``NodeConfig``."""
 
     aux_top_k: int = AUX_TOP_K
-    # How long a mooncake write may block on a hung decode before it counts as failed.
-    write_timeout_s: float = 5.0
-
-
-def advertise_host(host: str) -> str:
-    """The address decode nodes should use to reach this rank: ``host`` unless it is a wildcard."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it picks the outgoing interface
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 class PrefillProcess:
@@ -81,7 +64,7 @@ class PrefillProcess:
                       aux=aux_layout.buffers(), aux_top_k=opts.aux_top_k, host=host)
         self._aux_layout = aux_layout  # registered memory: keep it alive as long as the manager
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
-                                       device=envs.MOONCAKE_DEVICE.get(), transfer_timeout_s=opts.write_timeout_s)
+                                       device=envs.MOONCAKE_DEVICE.get(), transfer_timeout_s=cfg.transfer.write_timeout_s)
         self.manager = PrefillKVManager(args, data_plane, HttpBootstrapClient(), bootstrap_url,
                                         KVManagerConfig.from_transfer_config(cfg.transfer))
         sched_cfg = PrefillSchedConfig(
@@ -120,6 +103,10 @@ class PrefillProcess:
                     log.error("the prefill node's API process is gone; the scheduler exits")
                     return
 
+    def ready_info(self) -> dict:
+        return {"control_endpoint": self.manager.endpoint,
+                "max_total_tokens": self.runner.memory.allocator.num_total * self.runner.memory.page_size}
+
     def close(self) -> None:
         self.manager.close()
         self.io.close()
@@ -132,23 +119,4 @@ def run_scheduler(cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints
     Sends ``("ready", info)`` on ``ready`` once the model is loaded and the rank registered with
     the bootstrap server, or ``("error", message)`` if start-up failed.
     """
-    logging.basicConfig(level=envs.LOG_LEVEL.get(),
-                        format="%(asctime)s %(levelname)s prefill-sched %(name)s: %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        proc = PrefillProcess(cfg, opts, endpoints, bootstrap_url)
-    except Exception as exc:
-        log.exception("prefill scheduler failed to start")
-        if ready is not None:
-            ready.send(("error", f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    try:
-        if ready is not None:
-            ready.send(("ready", {"pid": os.getpid(), "control_endpoint": proc.manager.endpoint,
-                                  "max_total_tokens": proc.runner.memory.allocator.num_total * cfg.cache.page_size}))
-            ready.close()
-        proc.serve(stop)
-    finally:
-        proc.close()
+    run_scheduler_process("prefill-sched", lambda: PrefillProcess(cfg, opts, endpoints, bootstrap_url), ready)

@@ -30,6 +30,11 @@ class AuxRecord:
     top_logprobs: tuple[float, ...] = field(default=())
 
 
+# Top logprobs of the first token carried in an aux row. Part of the wire layout: prefill and
+# decode must use the same value (checked when the decode registers its KV args).
+AUX_TOP_K = 20
+
+
 def aux_row_dtype(top_k: int) -> np.dtype:
     fields = [
         ("room", "<i8"), ("token_id", "<i8"), ("cached_tokens", "<i8"),

@@ -27,11 +27,11 @@ import torch
 from common.kvcache.allocator import PageAllocator
 from common.kvcache.pool import KVLayout, KVPool
 from transfer import AuxPool, AuxRecord, KVArgs, KVManagerConfig, KVPoll, create_data_plane
+from transfer.aux import AUX_TOP_K  # the aux row layout both nodes use
 from transfer.bootstrap import HttpBootstrapClient
 from transfer.decode import DecodeKVManager, DecodeKVReceiver
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-AUX_TOP_K = 20  # must equal prefill_node.process.AUX_TOP_K (the aux row layout)
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from common.config import ConfigError
 from decode_node.__main__ import build_parser, config_from_args, main
-from decode_node.process import advertise_host
+from common.server.node_launch import advertise_host
 
 
 def parse(model: str, *flags: str):  # type: ignore[no-untyped-def]
