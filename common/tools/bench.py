@@ -1,13 +1,321 @@
-"""``pdcluster bench``: serving benchmark (not built yet; see docs/BENCHMARKS.md for what exists)."""
+"""``pdcluster bench``: a serving benchmark for a prefill/decode pair (DESIGN §10), after SGLang's
+``bench_serving``. Until the router exists the bench fronts the pair itself, as sglang-router does:
+each request goes to the prefill and the decode node at once with one random bootstrap room.
+
+Targets::
+
+    --prefill URL --decode URL --bootstrap-port B         a pair that is already running
+    --launch --model-path DIR [--transfer-backend ...]    start a pair here, stopped (by PID) at the end
+    --make-tiny-model                                     build a tiny random model first (implies --launch)
+
+Run::
+
+    target healthy -> /server_info (context length; vocab from the model's config.json)
+      -> warm-up request(s), not counted -> both nodes idle -> /debug/memory + /metrics "before"
+      -> the workload: Poisson arrivals (--request-rate, inf = all at once), --max-concurrency cap,
+         random lengths (--input-len, --output-len, --range-ratio), token-id prompts, ignore_eos
+      -> wait (bounded) until both nodes are idle -> /debug/memory + /metrics "after"
+      -> report: counts and failure reasons, throughput, TTFT / ITL / TPOT / E2E, goodput,
+         leak check (after vs before), scheduler counter deltas; --json PATH writes it all
+
+Exit status: 0 when every request completed and both nodes came back idle and clean, 1 when not,
+2 for bad arguments or a target that did not start.
+"""
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from urllib.parse import urlparse
+
+import aiohttp
+
+from common.tools import bench_report as report
+from common.tools.bench_client import RequestResult, Target, send_pd
+from common.tools.bench_launch import LaunchedPair
+from common.tools.bench_workload import BenchRequest, make_workload
+from common.tools.up import get_json
+
+WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 32, 4
+IDLE_POLL_S = 0.1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pdcluster bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = ap.add_argument_group("target")
+    t.add_argument("--prefill", help="prefill node base URL (running pair)")
+    t.add_argument("--decode", help="decode node base URL (running pair)")
+    t.add_argument("--bootstrap-host", help="prefill bootstrap host (default: the --prefill host)")
+    t.add_argument("--bootstrap-port", type=int, help="prefill bootstrap port (running pair)")
+    t.add_argument("--launch", action="store_true", help="start a prefill + decode pair on this machine")
+    t.add_argument("--model-path", help="HF checkpoint directory (--launch; with --make-tiny-model: where to build)")
+    t.add_argument("--make-tiny-model", action="store_true", help="build a tiny random model first (implies --launch)")
+    t.add_argument("--tiny-arch", default="qwen3", choices=("qwen3", "llama", "qwen2"))
+    t.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "fake"))
+    t.add_argument("--page-size", type=int, default=16)
+    t.add_argument("--prefill-args", default="", help="extra prefill node flags, one shell-quoted string")
+    t.add_argument("--decode-args", default="", help="extra decode node flags, one shell-quoted string")
+    t.add_argument("--startup-timeout", type=float, default=180.0, help="seconds for a launched pair to be healthy")
+    w = ap.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--input-len", type=int, default=512, help="longest prompt (tokens)")
+    w.add_argument("--output-len", type=int, default=128, help="longest output (tokens)")
+    w.add_argument("--range-ratio", type=float, default=0.25,
+                   help="lengths are uniform in [len * ratio, len] (1: fixed lengths)")
+    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate in req/s (inf: all at once)")
+    w.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
+    w.add_argument("--seed", type=int, default=1)
+    w.add_argument("--vocab-size", type=int, help="prompt token ids are drawn from [0, this) "
+                                                      "(default: the model's config.json)")
+    w.add_argument("--warmup-requests", type=int, default=1, help="short requests sent first, not counted")
+    r = ap.add_argument_group("report and bounds")
+    r.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
+    r.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    r.add_argument("--json", dest="json_path", help="write the full result (with per-request samples) here")
+    r.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (both answers)")
+    r.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole workload")
+    r.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds to wait for both nodes to be idle after the run (covers a bootstrap timeout)")
+    return ap.parse_args(argv)
+
+
+def check_args(a: argparse.Namespace) -> str | None:
+    """The first problem with the arguments, or None."""
+    if a.make_tiny_model:
+        a.launch = True
+    if a.launch:
+        if a.prefill or a.decode or a.bootstrap_port is not None:
+            return "--launch starts its own pair: drop --prefill / --decode / --bootstrap-port"
+        if not a.model_path and not a.make_tiny_model:
+            return "--launch needs --model-path (or --make-tiny-model)"
+    elif not (a.prefill and a.decode and a.bootstrap_port is not None):
+        return "give --prefill URL --decode URL --bootstrap-port B, or --launch"
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        return "--max-concurrency must be >= 1"
+    if a.warmup_requests < 0 or a.num_prompts < 1:
+        return "--num-prompts must be >= 1 and --warmup-requests >= 0"
+    if not 0.0 <= a.range_ratio <= 1.0 or a.input_len < 1 or a.output_len < 1:
+        return "--input-len and --output-len must be >= 1, --range-ratio in [0, 1]"
+    if not a.request_rate > 0:
+        return "--request-rate must be > 0 (inf: all at once)"
+    return None
+
+
+def tiny_model(a: argparse.Namespace) -> str:
+    path = a.model_path or os.path.join(tempfile.gettempdir(), f"pdcluster-bench-tiny-{a.tiny_arch}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        from common.tools.make_tiny_model import make_tiny_model  # torch: only when needed
+
+        make_tiny_model(path, arch=a.tiny_arch, seed=0)
+    return path
+
+
+def vocab_size(a: argparse.Namespace, info: dict) -> int | None:
+    if a.vocab_size is not None:
+        return a.vocab_size
+    try:
+        with open(os.path.join(str(info.get("model_path")), "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---- the workload --------------------------------------------------------------------------------
+
+
+async def run_requests(target: Target, reqs: list[BenchRequest], max_concurrency: int | None,
+                       request_timeout_s: float, deadline_s: float) -> tuple[list[RequestResult], float]:
+    """Send ``reqs`` at their arrival offsets; return one result per request (in order) and the
+    duration from the first send to the last answer. Never raises for a request's sake."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    # No pool limit (the semaphore is the cap); a slow connect is its own clear error.
+    session_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=session_timeout) as session:
+        t0 = time.perf_counter()
+
+        async def one(req: BenchRequest) -> RequestResult:
+            delay = req.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                return await send_pd(session, target, req, t0, request_timeout_s)
+            async with sem:
+                return await send_pd(session, target, req, t0, request_timeout_s)
+
+        tasks = [asyncio.create_task(one(r)) for r in reqs]
+        _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        duration = time.perf_counter() - t0
+    results = []
+    for req, task in zip(reqs, tasks):
+        if task.cancelled():
+            results.append(RequestResult(req.index, req.input_len, req.output_len,
+                                         error=f"not finished when the run's --timeout ({deadline_s:g} s) passed"))
+        elif (exc := task.exception()) is not None:  # a bench bug: report it, keep the rest
+            results.append(RequestResult(req.index, req.input_len, req.output_len,
+                                         error=f"bench error: {type(exc).__name__}: {exc}"))
+        else:
+            results.append(task.result())
+    return results, duration
+
+
+# ---- node state ------------------------------------------------------------------------------------
+
+
+def get_text(url: str, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return r.read().decode()
+
+
+def wait_idle(url: str, timeout_s: float) -> tuple[dict, list[str]]:
+    """Poll ``/debug/memory`` until the node holds nothing or the bound passes; (last report, problems)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mem = get_json(url + "/debug/memory")
+        problems = report.idle_problems(mem)
+        if not problems or time.monotonic() > deadline:
+            return mem, problems
+        time.sleep(IDLE_POLL_S)
+
+
+def snapshot(target: Target, idle_timeout_s: float) -> dict:
+    """Both nodes' memory (after waiting for idle) and scheduler counters."""
+    out: dict = {}
+    for role, url in (("prefill", target.prefill), ("decode", target.decode)):
+        try:
+            mem, problems = wait_idle(url, idle_timeout_s)
+            counters = report.scheduler_counters(get_text(url + "/metrics"))
+        except (OSError, ValueError) as exc:
+            mem, problems, counters = {}, [f"could not read {url}: {type(exc).__name__}: {exc}"], {}
+        out[role] = {"memory": mem, "idle_problems": problems, "counters": counters}
+    return out
+
+
+def compare(before: dict, after: dict) -> dict:
+    out = {}
+    for role in ("prefill", "decode"):
+        b, a = before[role], after[role]
+        out[role] = {
+            "leak_problems": a["idle_problems"] + [p for p in report.leak_check(b["memory"], a["memory"])
+                                                   if p not in a["idle_problems"]],
+            "memory_changed": {k: list(v) for k, v in report.memory_diff(b["memory"], a["memory"]).items()},
+            "counter_deltas": report.counter_deltas(b["counters"], a["counters"]),
+        }
+    return out
+
+
+def format_nodes(cmp: dict) -> str:
+    lines = []
+    for role in ("prefill", "decode"):
+        c = cmp[role]
+        verdict = "clean" if not c["leak_problems"] else "PROBLEMS: " + "; ".join(c["leak_problems"])
+        lines.append(f"leak check {role:<8}{verdict}")
+        if c["memory_changed"]:
+            lines.append("  memory changed: " + ", ".join(f"{k} {b} -> {a}" for k, (b, a) in c["memory_changed"].items()))
+        if c["counter_deltas"]:
+            lines.append("  scheduler counters: " + ", ".join(f"{k} +{v:g}" for k, v in c["counter_deltas"].items()))
+        d = c["counter_deltas"]
+        if d.get("forwards_total"):
+            lines.append(f"  mean prefill forward: {1000 * d.get('forward_seconds_total', 0) / d['forwards_total']:.2f} ms"
+                         f" over {d['forwards_total']:g} forwards")
+    return "\n".join(lines)
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def bench(a: argparse.Namespace, target: Target) -> int:
+    try:
+        info = get_json(target.decode + "/server_info")
+        prefill_info = get_json(target.prefill + "/server_info")
+    except (OSError, ValueError) as exc:
+        print(f"pdcluster bench: cannot read /server_info of the pair: {exc}", file=sys.stderr)
+        return 2
+    ctx = int(info.get("context_length") or 0)
+    if ctx and a.input_len + a.output_len > ctx:
+        print(f"pdcluster bench: --input-len + --output-len = {a.input_len + a.output_len} exceeds the "
+              f"context length {ctx}", file=sys.stderr)
+        return 2
+    vocab = vocab_size(a, prefill_info)
+    if vocab is None:
+        print("pdcluster bench: cannot read the model's vocab size; pass --vocab-size", file=sys.stderr)
+        return 2
+    if a.warmup_requests:
+        warm = make_workload(a.warmup_requests, min(WARMUP_INPUT_LEN, a.input_len), WARMUP_OUTPUT_LEN, 1.0,
+                             vocab, math.inf, a.seed + 1)
+        res, _ = asyncio.run(run_requests(target, warm, None, a.request_timeout, a.request_timeout))
+        bad = [r.error for r in res if not r.ok]
+        print(f"warm-up: {len(res) - len(bad)}/{len(res)} ok" + (f" (first failure: {bad[0]})" if bad else ""),
+              flush=True)
+    before = snapshot(target, a.idle_timeout)
+    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed)
+    load_before = os.getloadavg()
+    print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
+          f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
+          f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
+    results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout))
+    load_after = os.getloadavg()
+    summary = report.summarize(results, duration, a.slo_ttft_ms, a.slo_tpot_ms)
+    after = snapshot(target, a.idle_timeout)
+    nodes = compare(before, after)
+    leak_clean = all(not nodes[r]["leak_problems"] for r in nodes)
+    print(report.format_report(summary))
+    print(format_nodes(nodes))
+    print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
+    if a.json_path:
+        doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
+               "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
+               "nodes": nodes, "before": before, "after": after,
+               "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
+               "requests": [asdict(r) for r in results]}
+        with open(a.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if summary["failed"] == 0 and leak_clean else 1
+
+
+def _sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally that stops a launched pair
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("pdcluster bench: not yet implemented (tracked as a follow-up issue). "
-          "Transfer-layer numbers: python -m transfer.bench", file=sys.stderr)
-    return 2
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = check_args(a)
+    if problem is not None:
+        print(f"pdcluster bench: {problem}", file=sys.stderr)
+        return 2
+    if not a.launch:
+        host = a.bootstrap_host or urlparse(a.prefill).hostname or "127.0.0.1"
+        return bench(a, Target(a.prefill.rstrip("/"), a.decode.rstrip("/"), host, a.bootstrap_port))
+    model = tiny_model(a) if a.make_tiny_model else a.model_path
+    pair = LaunchedPair()
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        try:
+            target = pair.start(model, a.transfer_backend, a.page_size, shlex.split(a.prefill_args),
+                                shlex.split(a.decode_args), a.startup_timeout)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(f"pdcluster bench: the pair did not start: {exc}\n{pair.log_tails()}", file=sys.stderr)
+            return 2
+        print(f"launched prefill {target.prefill} (bootstrap port {target.bootstrap_port}), decode {target.decode}, "
+              f"transfer backend {a.transfer_backend}, model {model}; node pids "
+              f"{' '.join(str(p.pid) for p in pair.procs)}; logs in {pair.logdir}", flush=True)
+        return bench(a, target)
+    finally:
+        pair.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

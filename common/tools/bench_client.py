@@ -1,0 +1,209 @@
+"""One benchmark request, sent the way ``sglang-router`` sends it, timed on the decode node's stream.
+
+    body = {input_ids, sampling_params{max_new_tokens, ignore_eos, temperature 0}, stream: true,
+            bootstrap_host, bootstrap_port, bootstrap_room}      one random 63-bit room per request
+    POST prefill /generate  ─┐ at once; the prefill answers once its KV transfer is done
+    POST decode  /generate  ─┘ SSE: cumulative ``output_ids`` per chunk, then ``data: [DONE]``
+
+Times are taken when a chunk's bytes arrive (``time.perf_counter``), measured from the moment the
+request is sent (after any concurrency slot was acquired), as SGLang's bench_serving does:
+
+    TTFT   first chunk that carries a token
+    ITL    gap between token-carrying chunks; a chunk with k new tokens counts k gaps of gap/k
+    E2E    until the decode stream ends; TPOT = (E2E - TTFT) / (tokens - 1)
+
+A request never raises: every failure (HTTP status, SSE error chunk, a stream that ends early,
+a connection error, the per-request timeout) becomes ``ok=False`` with a one-line reason. The
+request waits for both answers, as the router does; the timeout bounds the pair. When the decode
+side fails first, its reason is the one reported and the prefill answer is not awaited.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from common.tools.bench_workload import BenchRequest
+
+_ROOMS = random.SystemRandom()  # rooms must not repeat across runs that share a node
+
+
+@dataclass(frozen=True)
+class Target:
+    prefill: str  # base URLs, no trailing slash
+    decode: str
+    bootstrap_host: str
+    bootstrap_port: int
+
+
+@dataclass
+class RequestResult:
+    index: int
+    input_len: int
+    output_len: int  # requested
+    ok: bool = False
+    error: str | None = None
+    start_s: float = 0.0  # send time, from the start of the run
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    prefill_s: float | None = None  # until the prefill node's whole answer arrived
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+class RequestFailed(Exception):
+    """A failure with a reason fit for the report (raised and caught inside this module)."""
+
+
+class StreamTimer:
+    """Folds decode SSE events (native ``/generate``: cumulative ``output_ids``) into timings."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.tokens = 0
+        self.ttft_s: float | None = None
+        self.itl_s: list[float] = []
+        self.finish_reason: str | None = None
+        self._last: float | None = None
+
+    def on_event(self, now: float, event: dict) -> None:
+        if "error" in event:
+            raise RequestFailed(f"decode stream error: {_message(event)}")
+        ids = event.get("output_ids")
+        meta = event.get("meta_info") or {}
+        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+        if isinstance(finish, dict):
+            self.finish_reason = str(finish.get("type"))
+        if not isinstance(ids, list):
+            return
+        new = len(ids) - self.tokens
+        if new <= 0:
+            return
+        if self._last is None:
+            self.ttft_s = now - self.t0
+        else:
+            self.itl_s.extend([(now - self._last) / new] * new)
+        self._last = now
+        self.tokens = len(ids)
+
+
+def sse_events(buf: bytearray) -> list[bytes]:
+    """Pop every complete ``data: ...`` payload (events end with a blank line) from ``buf``."""
+    out = []
+    while (end := buf.find(b"\n\n")) >= 0:
+        frame = bytes(buf[:end])
+        del buf[:end + 2]
+        for line in frame.split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(line[5:].strip())
+    return out
+
+
+def request_body(req: BenchRequest, target: Target, room: int) -> dict:
+    return {
+        "input_ids": req.input_ids,
+        "sampling_params": {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0},
+        "stream": True,  # the router asks the prefill for a stream too
+        "bootstrap_host": target.bootstrap_host,
+        "bootstrap_port": target.bootstrap_port,
+        "bootstrap_room": room,
+    }
+
+
+async def send_pd(session: aiohttp.ClientSession, target: Target, req: BenchRequest, run_t0: float,
+                  timeout_s: float) -> RequestResult:
+    res = RequestResult(req.index, req.input_len, req.output_len)
+    body = request_body(req, target, _ROOMS.getrandbits(63))
+    t0 = time.perf_counter()
+    res.start_s = t0 - run_t0
+    timer = StreamTimer(t0)
+    prefill = asyncio.create_task(_prefill(session, target.prefill + "/generate", body, t0))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _decode(session, target.decode + "/generate", body, timer)
+            res.e2e_s = time.perf_counter() - t0
+            # Like the router, a request is over when both nodes answered. After a decode failure
+            # the prefill is not awaited (it may wait out its bootstrap timeout); the after-run
+            # idle wait covers it.
+            res.prefill_s = await prefill
+        res.ok = True
+    except RequestFailed as exc:
+        res.error = str(exc)
+    except TimeoutError:
+        res.error = f"no complete answer within the request timeout ({timeout_s:g} s)"
+    except aiohttp.ClientError as exc:
+        res.error = f"connection: {type(exc).__name__}: {exc}"
+    except (ValueError, UnicodeDecodeError) as exc:  # bad JSON in a chunk
+        res.error = f"malformed decode stream: {type(exc).__name__}: {exc}"
+    finally:
+        if not prefill.done():
+            prefill.cancel()
+        await asyncio.gather(prefill, return_exceptions=True)
+    res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason = (
+        timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason)
+    if res.ok and res.output_tokens != req.output_len:
+        res.ok = False
+        res.error = f"decode stream ended after {res.output_tokens} of {req.output_len} tokens"
+    return res
+
+
+async def _decode(session: aiohttp.ClientSession, url: str, body: dict, timer: StreamTimer) -> None:
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RequestFailed(f"decode HTTP {resp.status}: {_message(await _json_or_text(resp))}")
+        buf = bytearray()
+        async for chunk in resp.content.iter_any():
+            now = time.perf_counter()
+            buf += chunk
+            for data in sse_events(buf):
+                if data == b"[DONE]":
+                    return
+                timer.on_event(now, json.loads(data))
+    raise RequestFailed("decode stream closed without [DONE]")
+
+
+async def _prefill(session: aiohttp.ClientSession, url: str, body: dict, t0: float) -> float:
+    """Seconds until the prefill node's whole answer arrived; raises RequestFailed."""
+    try:
+        async with session.post(url, json=body) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise RequestFailed(f"prefill HTTP {resp.status}: {_message(_loads(raw))}")
+    except aiohttp.ClientError as exc:
+        raise RequestFailed(f"prefill connection: {type(exc).__name__}: {exc}") from exc
+    for data in sse_events(bytearray(raw)):
+        if data != b"[DONE]" and "error" in (ev := _loads(data)):
+            raise RequestFailed(f"prefill stream error: {_message(ev)}")
+    return time.perf_counter() - t0
+
+
+async def _json_or_text(resp: aiohttp.ClientResponse) -> object:
+    return _loads(await resp.read())
+
+
+def _loads(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _message(obj: object) -> str:
+    """The human part of an error body: OpenAI shape ``{"error": {"message": ...}}`` or raw text."""
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return str(obj)[:300]

@@ -1,0 +1,81 @@
+"""Start a prefill + decode pair on this machine for ``pdcluster bench --launch``; stop it by PID.
+
+Built from ``common.tools.up``'s helpers (free ports, health wait). Each node runs in its own
+session, so ``stop()`` signals the whole process group (API process, scheduler, mooncake threads)
+— SIGTERM, then SIGKILL after a grace period. Node output goes to log files (their tails are
+shown when a node fails to start), not to the bench's terminal.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from common.tools.bench_client import Target
+from common.tools.up import free_port, wait_healthy
+
+STOP_GRACE_S = 15.0
+# The directory holding the ``common`` package: children import ``prefill_node`` / ``decode_node``
+# from there whatever the bench's working directory (the repo is not necessarily installed).
+_CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class LaunchedPair:
+    """Use as ``pair = LaunchedPair(); try: pair.start(...) ... finally: pair.stop()``: processes
+    are recorded as they start, so a start-up failure leaves nothing running."""
+
+    logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdc-bench-"))
+    target: Target | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+
+    def start(self, model_path: str, backend: str, page_size: int, prefill_args: list[str],
+              decode_args: list[str], startup_timeout_s: float) -> Target:
+        """Start both nodes; return once both answer ``/health`` (raises on exit or timeout)."""
+        p_port, d_port, b_port = free_port(), free_port(), free_port()
+        self.target = Target(f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}", "127.0.0.1", b_port)
+        env = dict(os.environ)
+        env.setdefault("PDC_LOG_LEVEL", "WARNING")
+        env.setdefault("MC_LOG_LEVEL", "ERROR")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH")) if p)
+        common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
+                  "--disaggregation-transfer-backend", backend, "--disaggregation-bootstrap-port", str(b_port)]
+        for role, port, extra in (("prefill", p_port, prefill_args), ("decode", d_port, decode_args)):
+            log_path = os.path.join(self.logdir, f"{role}.log")
+            self.logs.append(log_path)
+            with open(log_path, "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", f"{role}_node", *common, "--port", str(port), *extra], env=env,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        wait_healthy(self.target.prefill, self.procs[0], startup_timeout_s)
+        wait_healthy(self.target.decode, self.procs[1], startup_timeout_s)
+        return self.target
+
+    def log_tails(self, n: int = 30) -> str:
+        out = []
+        for path in self.logs:
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                out.append(f"---- {path}\n" + "".join(f.readlines()[-n:]))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            # Children of the group outlive a leader that exited on SIGTERM only if they hang:
+            # SIGKILL whatever is left of the group either way.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)

@@ -1,0 +1,68 @@
+"""The workload of ``pdcluster bench``: random token-id prompts, output lengths, arrival times.
+
+Lengths follow SGLang's ``bench_serving --dataset-name random``: with length L and range ratio r,
+each request draws uniformly from ``[max(1, int(L * r)), L]`` (r = 1 means every request is L).
+Prompts are token ids drawn uniformly from ``[0, vocab_size)`` and sent as ``input_ids``, so no
+tokenizer round trip can change their length; with ``ignore_eos`` the decode node generates
+exactly the requested number of tokens, which makes token counts checkable.
+
+Arrivals are a Poisson process: exponential gaps with mean ``1 / rate``, the first request at 0.
+A rate of ``inf`` sends everything at once (a concurrency cap, if any, then paces the run).
+Everything is drawn from one ``random.Random(seed)``: the same seed gives the same workload.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    input_ids: list[int]
+    output_len: int  # max_new_tokens; exact because the bench sets ignore_eos
+    arrival_s: float  # offset from the start of the run at which the request is due
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+
+def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """The inclusive [low, high] range a length is drawn from."""
+    if length < 1:
+        raise ValueError(f"length {length} must be >= 1")
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"range ratio {range_ratio} must be in [0, 1]")
+    return max(1, int(length * range_ratio)), length
+
+
+def arrival_offsets(rng: random.Random, n: int, rate: float) -> list[float]:
+    """Seconds from the start at which each of ``n`` requests is due (non-decreasing)."""
+    if not rate > 0:
+        raise ValueError(f"request rate {rate} must be > 0 (inf: all at once)")
+    if math.isinf(rate):
+        return [0.0] * n
+    out, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                  request_rate: float, seed: int) -> list[BenchRequest]:
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts {num_prompts} must be >= 1")
+    if vocab_size < 1:
+        raise ValueError(f"vocab size {vocab_size} must be >= 1")
+    rng = random.Random(seed)
+    in_lo, in_hi = length_bounds(input_len, range_ratio)
+    out_lo, out_hi = length_bounds(output_len, range_ratio)
+    in_lens = [rng.randint(in_lo, in_hi) for _ in range(num_prompts)]
+    out_lens = [rng.randint(out_lo, out_hi) for _ in range(num_prompts)]
+    arrivals = arrival_offsets(rng, num_prompts, request_rate)
+    return [BenchRequest(i, [rng.randrange(vocab_size) for _ in range(n_in)], n_out, t)
+            for i, (n_in, n_out, t) in enumerate(zip(in_lens, out_lens, arrivals))]
