@@ -3,6 +3,11 @@
 Schedulers decide *what* runs (which chunks, which decodes) and own KV bookkeeping; the driver
 only computes. Intermediate prompt chunks pass ``None`` as their sample spec: their logits
 are not sampled (chunked prefill samples once, after the last chunk).
+
+Contract: when ``run_extend``/``run_decode`` return, the batch's K/V is in the pool. Sampling
+copies tokens to the host, which waits for the GPU anyway; a batch with nothing to sample (only
+intermediate chunks) waits explicitly, because the prefill node hands those pages to the
+transfer engine right away, and an RDMA read is not ordered after kernels on the compute stream.
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class EngineDriver:
         keep = [i for i, s in enumerate(specs) if s is not None]
         out: list[SampledToken | None] = [None] * len(specs)
         if not keep:
+            if logits.is_cuda:
+                torch.cuda.current_stream(logits.device).synchronize()
             return out
         chosen = [specs[i] for i in keep]  # type: ignore[misc]
         rows = logits if len(keep) == len(specs) else logits[torch.tensor(keep, device=logits.device)]  # [K, vocab]
