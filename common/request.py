@@ -11,6 +11,11 @@ class InvalidRequest(ValueError):
     """Bad input from a client: reported as HTTP 400, touches no pool."""
 
 
+# Temperatures below this sample greedily (as SGLang does): dividing logits by a tiny temperature
+# overflows float32 (1e-50 is 0.0 there), which would turn the distribution into NaNs.
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -64,7 +69,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """The one place that decides argmax vs sampling; a sampled row has a temperature of at
+        least ``GREEDY_TEMPERATURE``, so the sampler never divides by (float32) zero."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class FinishReason(msgspec.Struct, kw_only=True):

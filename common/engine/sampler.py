@@ -8,7 +8,7 @@ warpers), so one request alone behaves like transformers with the same settings:
         ├─ repetition penalty over prompt + output ids     HF: l/p if l > 0 else l*p
         ├─ frequency / presence penalty over output ids    OpenAI: l - f*count - p*[count > 0]
         │
-        ├─ greedy rows (temperature 0 or top_k 1) ─► argmax ─────────────────────────► token
+        ├─ greedy rows (temperature < 1e-5 or top_k 1) ─► argmax ────────────────────► token
         │
         └─ / temperature ─► top-k ─► top-p ─► min-p ─► exponential race (seeded) ─► token
                           (each filter sees the distribution renormalised after the previous one)
@@ -269,6 +269,7 @@ class Sampler:
             return torch.tensor(vals, dtype=dtype, device=device)  # [S]
 
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in sub]
+        # Sampled rows are not greedy, so each temperature is >= GREEDY_TEMPERATURE (> 0 in float32).
         temperature = col([p.temperature for p in sub], torch.float32)  # [S]
         sub_logits = logits.index_select(0, idx)  # [S, V]
         # Decided on the host so the plain-temperature batch costs no sort and no device sync.

@@ -201,6 +201,20 @@ def test_greedy_equals_argmax_and_top_k_one() -> None:
     assert out.token_ids.tolist() == np.argmax(logits.numpy(), axis=-1).tolist()
 
 
+def test_tiny_temperature_is_greedy_not_nan() -> None:
+    # 1e-50 is 0.0 in float32: dividing by it gave NaN probabilities and always token 0.
+    logits = _logits(6, seed=11)
+    logits[:, 0] = -10.0  # token 0 is never the argmax, so a NaN row cannot pass by luck
+    temps = [1e-50, 1e-30, 1e-6, 0.0, 1e-50, 9e-6]
+    params = [SamplingParams(temperature=t, seed=3 if b % 2 else None) for b, t in enumerate(temps)]
+    assert all(p.is_greedy for p in params)
+    mixed = params + [SamplingParams(temperature=1.0)]  # one sampled row: the mixed path runs too
+    rows = torch.cat([logits, _logits(1, seed=12)])  # [7, V]
+    out = Sampler(seed=0).sample(rows, mixed, [[] for _ in mixed])
+    assert out.token_ids.tolist()[:6] == np.argmax(logits.numpy(), axis=-1).tolist()
+    assert not SamplingParams(temperature=1e-5).is_greedy  # the boundary itself samples
+
+
 def test_greedy_with_repetition_penalty_equals_hf_greedy_step() -> None:
     # Make the argmax a repeated token so the penalty changes the choice.
     logits = _logits(1, seed=6)
