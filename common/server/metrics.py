@@ -51,12 +51,16 @@ class ApiMetrics:
         if n <= 0:
             return
         self.generation_tokens.labels(**self._labels).inc(n)
-        self._recent.append((time.monotonic(), n))
-
-    def _update_throughput(self) -> None:
         now = time.monotonic()
+        self._recent.append((now, n))
+        self._trim(now)  # here too: a node nobody scrapes must not grow one entry per output
+
+    def _trim(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - self._window_s:
             self._recent.popleft()
+
+    def _update_throughput(self) -> None:
+        self._trim(time.monotonic())
         self.throughput.labels(**self._labels).set(sum(n for _, n in self._recent) / self._window_s)
 
     def render(self, scheduler: dict | None) -> bytes:

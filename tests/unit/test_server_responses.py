@@ -11,6 +11,7 @@ from common.protocol import BatchOutput, QueryReply, ReqOutput, encode
 from common.request import FinishReason, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import error_body
+from common.server import metrics as metrics_mod
 from common.server.metrics import ApiMetrics, scheduler_gauges
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest, SubRequest
@@ -235,6 +236,20 @@ def test_api_metrics_render(tiny_qwen3: str) -> None:
     assert 'pdc_api_generation_tokens_per_second{model_name="tiny",role="prefill"} 2.5' in text
     assert 'pdc_scheduler_num_waiting_reqs{model_name="tiny",role="prefill"} 2.0' in text
     ApiConfig.for_model_dir("prefill", tiny_qwen3).validate()
+
+
+def test_throughput_window_stays_bounded_without_scrapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(metrics_mod.time, "monotonic", lambda: clock[0])
+    m = ApiMetrics("decode", "tiny", window_s=10.0)
+    for _ in range(5000):  # 625 s of output, 8 outputs/s (0.125 s is exact in binary), never scraped
+        m.on_tokens(2)
+        clock[0] += 0.125
+    assert len(m._recent) <= 81  # only the last window's entries are kept
+    clock[0] -= 0.125  # render at the last output: it and the 80 before it are within 10 s
+    text = m.render(None).decode()
+    assert 'pdc_api_generation_tokens_per_second{model_name="tiny",role="decode"} 16.2' in text
+    assert 'pdc_api_generation_tokens_total{model_name="tiny",role="decode"} 10000.0' in text
 
 
 # ---- SchedulerClient routing --------------------------------------------------------------------
