@@ -74,6 +74,10 @@ logger = logging.getLogger(__name__)
 
 _STRUCT_OPTS = dict(tag_field="type", kw_only=True)
 
+# Rooms are minted in [0, 2^63-1] (DESIGN §4, SGLang's router) and the transfer's aux row stores
+# the room as int64; the API rejects anything larger before any work is done.
+MAX_BOOTSTRAP_ROOM = 2**63 - 1
+
 
 # ---- API -> scheduler --------------------------------------------------------------------------
 
@@ -85,7 +89,7 @@ class GenerateReq(msgspec.Struct, tag="generate", **_STRUCT_OPTS):
     stream: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
-    bootstrap_room: int | None = None  # router rooms are random u64
+    bootstrap_room: int | None = None  # in [0, MAX_BOOTSTRAP_ROOM]
     return_logprob: bool = False
     top_logprobs_num: int = 0
     arrival_time: float = 0.0  # time.time() when the API received the HTTP request

@@ -24,12 +24,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from common.protocol import MAX_BOOTSTRAP_ROOM
 from common.request import InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request
 
 Kind = Literal["generate", "completion", "chat"]
-_U64_MAX = 2**64 - 1
 
 
 @dataclass
@@ -162,8 +162,8 @@ def expand_bootstrap(body: dict, count: int, default_port: int) -> list[tuple[st
             raise bad_request(f"'bootstrap_host' must be a string, got {_type_name(host)}")
         if port is not None and not (is_int(port) and 0 < port < 65536):
             raise bad_request(f"'bootstrap_port' must be a port number or null, got {port!r}")
-        if room is not None and not (is_int(room) and 0 <= room <= _U64_MAX):
-            raise bad_request(f"'bootstrap_room' must be an integer in [0, 2^64), got {room!r}")
+        if room is not None and not (is_int(room) and 0 <= room <= MAX_BOOTSTRAP_ROOM):
+            raise bad_request(f"'bootstrap_room' must be an integer in [0, 2^63-1], got {room!r}")
         if (host is None) != (room is None):
             raise bad_request("bootstrap_host and bootstrap_room must be given together")
         if host is not None and port is None:

@@ -297,7 +297,7 @@ def test_chat_router_style_n2(decode: Node, tok: Tokenizer, alphabet: list[int])
     body = {"model": "unknown", "messages": msgs, "max_completion_tokens": 4, "n": 2, "stream": True,
             "stream_options": {"include_usage": True}, "logprobs": False, "tools": None,
             "bootstrap_host": ["127.0.0.1", "127.0.0.1"], "bootstrap_port": [None, 9999],
-            "bootstrap_room": [2**64 - 2, 77]}
+            "bootstrap_room": [2**63 - 1, 77]}
     events = sse_events(post(decode, "/v1/chat/completions", body))
     want = tok.decode(expected_ids(alphabet, tok.apply_chat_template(msgs), 4))
     for idx in (0, 1):
@@ -305,9 +305,9 @@ def test_chat_router_style_n2(decode: Node, tok: Tokenizer, alphabet: list[int])
         assert mine[0]["delta"]["role"] == "assistant"
         assert "".join(c["delta"].get("content", "") for c in mine) == want
         assert mine[-1]["finish_reason"] == "length"
-    sent = [m for m in decode.received("generate") if m["bootstrap_room"] in (2**64 - 2, 77)]
+    sent = [m for m in decode.received("generate") if m["bootstrap_room"] in (2**63 - 1, 77)]
     assert [(m["bootstrap_room"], m["bootstrap_port"], m["stream"]) for m in sent] == \
-        [(2**64 - 2, 8123, True), (77, 9999, True)]
+        [(2**63 - 1, 8123, True), (77, 9999, True)]
     whole = post(decode, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4}).json()
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": want}
 

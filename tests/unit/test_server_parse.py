@@ -72,11 +72,17 @@ def test_generate_rid_list_and_per_item_logprob(cfg: ApiConfig, tok: Tokenizer) 
     assert req.subs[0].sampling.return_logprob and req.subs[0].sampling.top_logprobs_num == 2
 
 
-def test_generate_u64_room_accepted(cfg: ApiConfig, tok: Tokenizer) -> None:
-    # sglang-router mints rooms as random u64 values, above i64's range.
+def test_generate_room_range_is_int64(cfg: ApiConfig, tok: Tokenizer) -> None:
+    # Rooms are minted in [0, 2^63-1] and the aux row stores them as int64: a larger room would
+    # fail the transfer only after all the prefill work, so it is a 400 up front.
     req = parse_generate({"text": "a", "bootstrap_host": "p", "bootstrap_port": None,
-                          "bootstrap_room": 2**64 - 1}, cfg, tok)
-    assert req.subs[0].bootstrap_room == 2**64 - 1 and req.subs[0].bootstrap_port == 7000
+                          "bootstrap_room": 2**63 - 1}, cfg, tok)
+    assert req.subs[0].bootstrap_room == 2**63 - 1 and req.subs[0].bootstrap_port == 7000
+    for room in (2**63, 2**64 - 1, 2**64, -1):
+        bad(parse_generate, {"text": "a", "bootstrap_host": "p", "bootstrap_room": room}, cfg, tok,
+            "'bootstrap_room'", "[0, 2^63-1]")
+        bad(parse_chat, {"messages": [{"role": "user", "content": "a"}], "n": 2, "bootstrap_host": ["p", "p"],
+                         "bootstrap_room": [5, room]}, cfg, tok, "'bootstrap_room'", str(room))
 
 
 @pytest.mark.parametrize("body,needles", [
