@@ -14,13 +14,18 @@ class InvalidRequest(ValueError):
 # Temperatures below this sample greedily (as SGLang does): dividing logits by a tiny temperature
 # overflows float32 (1e-50 is 0.0 there), which would turn the distribution into NaNs.
 GREEDY_TEMPERATURE = 1e-5
+# Integer fields travel as msgpack ints (at most 64 bits) to the scheduler; bounds below keep every
+# accepted value encodable and meaningful. A seed is any non-negative int64 (the per-sample rule
+# ``seed + j`` wraps modulo 2^63); top_k beyond the vocabulary means "off".
+MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: no top-k filter
+    top_k: int = -1  # -1 or 0: no top-k filter; at most MAX_TOP_K (>= vocabulary: no filter either)
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -28,7 +33,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # in [0, MAX_SEED]
     n: int = 1
     skip_special_tokens: bool = True
     return_logprob: bool = False
@@ -46,8 +51,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise bad(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise bad(f"top_k must be -1 (off) or in [1, 2^31-1], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -56,6 +61,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             val = getattr(self, name)
             if not math.isfinite(val) or not -2.0 <= val <= 2.0:
                 raise bad(f"{name} must be in [-2, 2], got {val}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad(f"seed must be in [0, 2^63-1], got {self.seed}")
         if self.n < 1:
             raise bad(f"n must be >= 1, got {self.n}")
         if self.top_logprobs_num < 0 or self.top_logprobs_num > 20:

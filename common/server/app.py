@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -37,12 +38,26 @@ VERSION = "0.1.0"
 Parser = Callable[[Any, ApiConfig, TokenizerLike], ParsedRequest]
 
 
+# A \uD800-\uDFFF escape: only through one can json.loads (of strictly decoded text) produce a
+# lone surrogate, which no tokenizer or msgpack encoder downstream accepts.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 async def _read_json(request: Request) -> tuple[Any, int]:
     raw = await request.body()
     try:
-        return json.loads(raw), len(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        # Strict UTF-8 (RFC 8259); json.loads(bytes) would let encoded surrogates through.
+        text = raw.decode("utf-8-sig")
+        body = json.loads(text)
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise bad_request(f"the body is not valid JSON: {exc}") from exc
+    if _SURROGATE_ESCAPE.search(text):  # rare: then check every string (pairs are fine)
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode()
+            raise bad_request(f"the body contains an unpaired UTF-16 surrogate ({bad})") from exc
+    return body, len(raw)
 
 
 def create_app(cfg: ApiConfig, scheduler: SchedulerClient, tokenizer: TokenizerLike) -> FastAPI:

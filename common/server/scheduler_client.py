@@ -7,6 +7,11 @@ call — which is what cleanup paths in ``finally`` blocks and cancelled tasks n
 
 A watchdog (optional ``scheduler_alive`` callable, checked every second) fails every in-flight
 request with 503 once the scheduler process is gone, instead of leaving clients hanging.
+
+A message that cannot be sent (it does not encode, the socket refuses it) fails only its own
+request, with 500. Should the receive or send task stop anyway, the link is treated like a dead
+scheduler: in-flight requests get 503 and ``gone_reason`` is set, so ``/health`` says 503 instead
+of answering 200 while every request hangs.
 """
 from __future__ import annotations
 
@@ -80,13 +85,14 @@ class SchedulerClient:
                        loop.create_task(self._send_loop(), name="sched-send"),
                        loop.create_task(self._watchdog(), name="sched-watchdog"),
                        loop.create_task(self._probe(), name="sched-probe")]
+        for t in self._tasks[:3]:  # the probe ends by design once the scheduler answered
+            t.add_done_callback(self._task_ended)
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A task that died has been logged (and failed the link) already: do not raise it here.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         for sock in (self._push, self._pull):
             if sock is not None:
@@ -154,8 +160,29 @@ class SchedulerClient:
             msg = await self._outbox.get()
             try:
                 await self._push.send(encode(msg), copy=False)
-            except zmq.ZMQError:  # keep the loop: one failed send must not silence the link
+            except Exception as exc:  # keep the loop: one bad message must not silence the link
                 logger.exception("could not send %s to the scheduler", type(msg).__name__)
+                if isinstance(msg, GenerateReq):
+                    self._fail_request(msg.rid, f"could not send request {msg.rid!r} to the scheduler: "
+                                                f"{type(exc).__name__}: {exc}")
+
+    def _fail_request(self, rid: str, reason: str) -> None:
+        """Finish one sequence with 500 (a fault of this process, not of the client or a peer)."""
+        q = self._queues.pop(rid, None)
+        if q is not None:
+            q.put_nowait(ReqOutput(rid=rid, finish=FinishReason(type="abort", message=reason),
+                                   error=reason, http_status=500))
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self.gone_reason is not None:
+            return  # close(), or the scheduler is already known to be gone
+        exc = task.exception()
+        if exc is None and task.get_name() == "sched-watchdog":
+            return  # no liveness callable: nothing to watch
+        why = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        logger.error("background task %s of the scheduler link stopped%s", task.get_name(), why,
+                     exc_info=exc)
+        self._fail_all(f"the API process lost its link to the scheduler ({task.get_name()} stopped{why})")
 
     async def _recv_loop(self) -> None:
         assert self._pull is not None

@@ -326,6 +326,18 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_p": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2, "bootstrap_host": "h",
                               "bootstrap_room": 1}),
+    # Values msgpack cannot carry used to kill the API's send task: every later request hung.
+    ("/generate", {"text": "a", "sampling_params": {"seed": 10**30}}),
+    ("/generate", {"text": "a", "sampling_params": {"top_k": 2**64}}),
+    ("/v1/completions", {"prompt": "a", "seed": -1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "seed": 2**64}),
+]
+# Unpaired surrogates (escaped or raw) cannot reach a tokenizer or the scheduler either.
+BAD_RAW = [
+    (b'{"text": "a\\ud800"}', "surrogate"),
+    (b'{"text": "a", "sampling_params": {"stop": ["\\udc80"]}}', "surrogate"),
+    (b'{"text": "a", "rid": "x\\ud800"}', "surrogate"),
+    (b'{"text": "a\xed\xa0\x80"}', "not valid JSON"),  # an encoded surrogate is not UTF-8
 ]
 
 
@@ -339,8 +351,16 @@ def test_bad_inputs_get_400_and_never_reach_the_scheduler(decode: Node) -> None:
             assert err["code"] == 400 and err["type"] == "BadRequestError" and err["message"]
     r = httpx.post(decode.url + "/generate", content=b"{not json", timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    for raw, needle in BAD_RAW:
+        r = httpx.post(decode.url + "/generate", content=raw, timeout=10)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (raw, r.text)
     time.sleep(0.3)  # anything wrongly sent would have arrived by now
     assert len(decode.received("generate")) == before
+    # and the node still serves (a surrogate pair is fine)
+    ok = httpx.post(decode.url + "/generate", content=b'{"text": "\\ud83d\\ude00", "sampling_params": '
+                    b'{"max_new_tokens": 2, "seed": 9223372036854775807, "top_k": 2147483647}}', timeout=10)
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+    assert httpx.get(decode.url + "/health", timeout=5).status_code == 200
 
 
 def test_failed_transfer_is_a_5xx_naming_the_room(decode: Node) -> None:

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 
 from common.engine import sampler as sampler_mod
 from common.engine.sampler import Sampler, apply_penalties, filter_probs, step_seed
-from common.request import SamplingParams
+from common.request import MAX_TOP_K, SamplingParams
 
 V = 40
 
@@ -213,6 +213,14 @@ def test_tiny_temperature_is_greedy_not_nan() -> None:
     out = Sampler(seed=0).sample(rows, mixed, [[] for _ in mixed])
     assert out.token_ids.tolist()[:6] == np.argmax(logits.numpy(), axis=-1).tolist()
     assert not SamplingParams(temperature=1e-5).is_greedy  # the boundary itself samples
+
+
+def test_top_k_at_its_bound_is_no_filter() -> None:
+    # The API accepts top_k up to MAX_TOP_K; anything at or above the vocabulary means "off".
+    logits = _logits(4, seed=13)
+    out = [Sampler(seed=0).sample(logits, [SamplingParams(top_k=k, seed=b) for b in range(4)], [[]] * 4)
+           for k in (MAX_TOP_K, -1, V)]
+    assert out[0].token_ids.tolist() == out[1].token_ids.tolist() == out[2].token_ids.tolist()
 
 
 def test_greedy_with_repetition_penalty_equals_hf_greedy_step() -> None:

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
+import httpx
 import pytest
+import zmq
+import zmq.asyncio
 
-from common.protocol import BatchOutput, QueryReply, ReqOutput, encode
+from common.protocol import BatchOutput, GenerateReq, IpcEndpoints, QueryReply, ReqOutput, decode_to_scheduler, encode
 from common.request import FinishReason, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import error_body
 from common.server import metrics as metrics_mod
+from common.server import scheduler_client as scheduler_client_mod
+from common.server.app import create_app
 from common.server.metrics import ApiMetrics, scheduler_gauges
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest, SubRequest
@@ -286,5 +292,66 @@ def test_scheduler_client_routes_outputs_and_replies() -> None:
         assert fail.rid == "a" and fail.http_status == 503 and "exited" in (fail.error or "")
         with pytest.raises(SchedulerGone):
             c.register(["c"])
+
+    asyncio.run(scenario())
+
+
+def test_a_message_that_cannot_be_sent_fails_only_its_request(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        ep = IpcEndpoints.fresh(str(tmp_path))
+        ctx = zmq.asyncio.Context()
+        sched = ctx.socket(zmq.PULL)  # stands in for the scheduler's end
+        sched.bind(ep.to_scheduler)
+        c = SchedulerClient(ep.to_scheduler, ep.from_scheduler)
+        await c.start()
+        try:
+            q_bad, q_ok = c.register(["bad"]), c.register(["ok"])
+            # A value validation should have stopped (msgpack ints are at most 64 bits).
+            c.send(GenerateReq(rid="bad", input_ids=[1], sampling=SamplingParams(seed=2**70)))
+            c.send(GenerateReq(rid="ok", input_ids=[1], sampling=SamplingParams(seed=5)))
+            out = await asyncio.wait_for(q_bad.get(), 5)
+            assert out.rid == "bad" and out.http_status == 500 and out.finish is not None
+            assert "OverflowError" in (out.error or "") and "'bad'" in (out.error or "")
+            got = decode_to_scheduler(await asyncio.wait_for(sched.recv(), 5))  # the link still works
+            assert isinstance(got, GenerateReq) and got.sampling.seed == 5
+            assert c.gone_reason is None and q_ok.empty()
+            assert not c.is_inflight("bad") and c.is_inflight("ok")
+        finally:
+            await c.close()
+            sched.close(linger=0)
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_link_task_turns_health_503(tiny_qwen3: str, tok: Tokenizer, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        ep = IpcEndpoints.fresh(str(tmp_path))
+        c = SchedulerClient(ep.to_scheduler, ep.from_scheduler)
+        app = create_app(ApiConfig.for_model_dir("decode", tiny_qwen3), c, tok)
+        await c.start()  # the app's lifespan does this under uvicorn
+        try:
+            c._dispatch(encode(BatchOutput(items=[])))  # the scheduler "answered": ready
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+                assert (await http.get("/health")).status_code == 200
+
+                def cannot_encode(msg: object) -> bytes:
+                    raise ValueError("unencodable")
+
+                def buggy_fail(rid: str, reason: str) -> None:
+                    raise RuntimeError("a bug in the failure path")
+
+                # The per-message handler itself fails: the send task dies after all.
+                monkeypatch.setattr(scheduler_client_mod, "encode", cannot_encode)
+                monkeypatch.setattr(c, "_fail_request", buggy_fail)
+                r = await asyncio.wait_for(http.post("/generate", json={"text": "a"}), 10)
+                assert r.status_code == 503 and "sched-send" in r.json()["error"]["message"]
+                health = await http.get("/health")
+                assert health.status_code == 503 and "sched-send" in health.json()["error"]["message"]
+                r = await asyncio.wait_for(http.post("/generate", json={"text": "a"}), 10)
+                assert r.status_code == 503
+        finally:
+            await c.close()
 
     asyncio.run(scenario())
