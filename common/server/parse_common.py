@@ -11,7 +11,9 @@ clipped to ``context_length - prompt_len`` so a too-large value ends with finish
 see the same body agree.
 
 Fan-out: a batch of k prompts with ``n`` samples each becomes k*n sub-requests, item-major
-(sub-request ``i*n + j`` is sample j of prompt i). Bootstrap fields are a scalar (one sequence)
+(sub-request ``i*n + j`` is sample j of prompt i). With a ``seed``, sample j uses ``seed + j``
+wrapped into [0, 2^63-1] (``sample_seed``), so the n samples differ yet stay reproducible; every
+endpoint applies it in ``finalize_sub``. Bootstrap fields are a scalar (one sequence)
 or a list of length k*n, one room per sub-request, in that same order — sglang-router sends
 lists of length len(text) for a /generate batch and of length n for a chat request with n > 1.
 """
@@ -25,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from common.protocol import MAX_BOOTSTRAP_ROOM
-from common.request import InvalidRequest, SamplingParams
+from common.request import MAX_SEED, InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request
 
@@ -190,10 +192,16 @@ def make_rids(rid_field: Any, count: int, parent: str | None) -> tuple[str, list
     return base, [f"{base}-{i}" for i in range(count)]
 
 
-def finalize_sub(sub: SubRequest, cfg: ApiConfig, vocab_size: int) -> None:
-    """Length checks, max_new_tokens clip, sampling validation (in place).
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample ``sample`` (0-based) of one prompt, from the request's valid seed."""
+    return None if seed is None else (seed + sample) % (MAX_SEED + 1)
 
-    The caller has put the requested (or default) ``max_new_tokens`` into ``sub.sampling``.
+
+def finalize_sub(sub: SubRequest, cfg: ApiConfig, vocab_size: int, sample: int) -> None:
+    """Length checks, max_new_tokens clip, sampling validation, per-sample seed (in place).
+
+    The caller has put the requested (or default) ``max_new_tokens`` and the request's ``seed``
+    into ``sub.sampling``; ``sample`` is j for sample j of its prompt.
     """
     n_prompt = len(sub.input_ids)
     if n_prompt == 0:
@@ -216,3 +224,4 @@ def finalize_sub(sub: SubRequest, cfg: ApiConfig, vocab_size: int) -> None:
     except InvalidRequest as exc:
         raise ApiError(400, str(exc)) from exc
     s.max_new_tokens = min(s.max_new_tokens, cfg.context_length - n_prompt)
+    s.seed = sample_seed(s.seed, sample)  # after validate: an invalid seed must not wrap into range

@@ -93,7 +93,7 @@ def parse_generate(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedReque
             sub = SubRequest(rid=rids[idx], index=idx, input_ids=prompts[i], sampling=sampling,
                              bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
                              return_logprob=lps[i], top_logprobs_num=tops[i])
-            finalize_sub(sub, cfg, tok.vocab_size)
+            finalize_sub(sub, cfg, tok.vocab_size, sample=j)
             subs.append(sub)
     return ParsedRequest(
         kind="generate", rid=parent, subs=subs, stream=stream, model=cfg.model_name, n=n,

@@ -7,8 +7,8 @@ many default fields) and the SGLang/vLLM extras benchmark clients send (``ignore
 implement (constrained decoding, logit bias, tools, echo, ...) are rejected with 400 rather
 than silently producing different output.
 
-With ``n > 1`` and a ``seed``, sample j uses ``seed + j`` so the n choices differ yet stay
-reproducible.
+With ``n > 1`` and a ``seed``, sample j uses ``seed + j`` (``parse_common.sample_seed``) so the n
+choices differ yet stay reproducible.
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 _UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "logit_bias", "suffix", "echo",
                 "min_tokens", "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
                 "tools", "functions", "continue_final_message")
-_SEED_MOD = 2**63
 
 
 def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
@@ -92,13 +91,11 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
         for j in range(n):
             idx = i * n + j
             sampling = build_sampling(fields)
-            if sampling.seed is not None and j:
-                sampling.seed = (sampling.seed + j) % _SEED_MOD
             host, port, room = boots[idx]
             sub = SubRequest(rid=rids[idx], index=idx, input_ids=ids, sampling=sampling, bootstrap_host=host,
                              bootstrap_port=port, bootstrap_room=room, return_logprob=logprob,
                              top_logprobs_num=top)
-            finalize_sub(sub, cfg, tok.vocab_size)
+            finalize_sub(sub, cfg, tok.vocab_size, sample=j)
             subs.append(sub)
     return ParsedRequest(kind=kind, rid=parent, subs=subs, stream=stream,  # type: ignore[arg-type]
                          model=cfg.model_name, n=n, include_usage=include_usage)

@@ -245,11 +245,15 @@ def test_generate_whole_and_stream(decode: Node, tok: Tokenizer, alphabet: list[
 
 
 def test_generate_batch_with_n(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:
-    r = post(decode, "/generate", {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3, "n": 2}})
+    r = post(decode, "/generate", {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 3, "n": 2,
+                                                                                    "seed": 70}})
     items = r.json()
     assert isinstance(items, list) and [it["index"] for it in items] == [0, 1, 2, 3]
     for it, prompt in zip(items, [[5, 6], [5, 6], [7], [7]]):
         assert it["output_ids"] == expected_ids(alphabet, prompt, 3)
+    sent = sorted((m["input_ids"], m["sampling"]["seed"]) for m in decode.received("generate")
+                  if m["sampling"].get("seed") in (70, 71))
+    assert sent == [([5, 6], 70), ([5, 6], 71), ([7], 70), ([7], 71)]  # sample j: seed + j
 
 
 def test_stop_string_and_stop_token(decode: Node, tok: Tokenizer, alphabet: list[int]) -> None:

@@ -99,3 +99,24 @@ def test_every_accepted_integer_encodes(cfg: ApiConfig, tok: Tokenizer, field: s
         assert exc.status == 400 and exc.message
         return
     wire(req)
+
+
+# ---- per-sample seeds ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed,want", [(10, [10, 11, 12]), (2**63 - 2, [2**63 - 2, 2**63 - 1, 0]),
+                                       (None, [None, None, None])])
+def test_n_samples_get_seed_plus_j_on_every_endpoint(cfg: ApiConfig, tok: Tokenizer, seed: int | None,
+                                                    want: list[int | None]) -> None:
+    """Native /generate used to give all n samples the same seed, hence n identical answers."""
+    native_req = parse_generate({"text": ["a", "b"], "sampling_params": {"n": 3, "seed": seed}}, cfg, tok)
+    completion = parse_completion({"prompt": ["a", "b"], "n": 3, "seed": seed}, cfg, tok)
+    chat_req = parse_chat(chat({"n": 3, "seed": seed}), cfg, tok)
+    for req, prompts in ((native_req, 2), (completion, 2), (chat_req, 1)):
+        assert [m.sampling.seed for m in wire(req)] == want * prompts
+
+
+def test_an_invalid_seed_is_not_wrapped_into_range(cfg: ApiConfig, tok: Tokenizer) -> None:
+    for body in (native({"n": 2, "seed": -1}), native({"n": 2, "seed": 2**63})):
+        with pytest.raises(ApiError, match="seed"):
+            parse_generate(body, cfg, tok)
