@@ -5,6 +5,13 @@ the HTTP request that owns its rid, each ``QueryReply`` to the future waiting fo
 drains an outgoing queue into ``to_scheduler``, so callers enqueue with a plain (non-async)
 call — which is what cleanup paths in ``finally`` blocks and cancelled tasks need.
 
+Rids on the wire. Each registered sequence gets a wire rid ``f"{rid}#{n}"`` (n counts up in this
+process), used in every ``GenerateReq``/``AbortReq`` and mapped back to the client's rid in every
+``ReqOutput`` (its ``error`` and finish message included). A client may reuse a rid as soon as its request is
+closed — right after a disconnect, say, while the scheduler still runs or aborts the old sequence
+(a prefill node lets it run on) — and the old sequence's late outputs then name a wire rid nobody
+holds, so they are dropped instead of landing in the new request. Callers only see client rids.
+
 A watchdog (optional ``scheduler_alive`` callable, checked every second) fails every in-flight
 request with 503 once the scheduler process is gone, instead of leaving clients hanging.
 
@@ -17,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -46,6 +55,15 @@ class DuplicateRid(ValueError):
     pass
 
 
+def wire_rid(rid: str, n: int) -> str:
+    return f"{rid}#{n}"
+
+
+def client_rid(wire: str) -> str:
+    """The client's rid inside a wire rid (for logs and tests; routing never parses rids)."""
+    return wire.rpartition("#")[0]
+
+
 class SchedulerGone(RuntimeError):
     pass
 
@@ -65,7 +83,9 @@ class SchedulerClient:
         self._push: zmq.asyncio.Socket | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._outbox: asyncio.Queue[ToScheduler] = asyncio.Queue()
-        self._queues: dict[str, asyncio.Queue[ReqOutput]] = {}  # rid -> owner's queue
+        self._routes: dict[str, tuple[str, asyncio.Queue[ReqOutput]]] = {}  # wire rid -> (rid, owner's queue)
+        self._wire: dict[str, str] = {}  # rid -> wire rid of its live sequence
+        self._seq = itertools.count()
         self._queries: dict[str, asyncio.Future[dict]] = {}
         self._tasks: list[asyncio.Task] = []
         self.ready = asyncio.Event()  # set by the first message from the scheduler
@@ -107,29 +127,41 @@ class SchedulerClient:
         """One queue that receives the outputs of all ``rids`` (one HTTP request's sequences)."""
         if self.gone_reason is not None:
             raise SchedulerGone(self.gone_reason)
-        dup = [r for r in rids if r in self._queues]
+        dup = [r for r in rids if r in self._wire]
         if dup:
             raise DuplicateRid(f"request id {dup[0]!r} is already in flight")
         q: asyncio.Queue[ReqOutput] = asyncio.Queue()
         for r in rids:
-            self._queues[r] = q
+            w = wire_rid(r, next(self._seq))
+            self._wire[r] = w
+            self._routes[w] = (r, q)
         return q
 
     def unregister(self, rids: list[str]) -> None:
+        """Stop listening; later outputs of these sequences are dropped, and the rids are free."""
         for r in rids:
-            self._queues.pop(r, None)
+            w = self._wire.pop(r, None)
+            if w is not None:
+                del self._routes[w]
 
     def is_inflight(self, rid: str) -> bool:
-        return rid in self._queues
+        return rid in self._wire
 
     def inflight_rids(self) -> list[str]:
-        return list(self._queues)
+        return list(self._wire)
 
-    def send(self, msg: GenerateReq | AbortReq) -> None:
-        self._outbox.put_nowait(msg)
+    def send(self, msg: GenerateReq) -> None:
+        """Send a registered sequence (``msg.rid`` is the client's rid)."""
+        w = self._wire.get(msg.rid)
+        if w is None:  # a caller bug: an unregistered sequence could never be answered
+            raise KeyError(f"request id {msg.rid!r} is not registered")
+        self._outbox.put_nowait(msgspec.structs.replace(msg, rid=w))
 
     def abort(self, rid: str) -> None:
-        self._outbox.put_nowait(AbortReq(rid=rid))
+        """Abort the live sequence ``rid``; nothing to do once it finished or was unregistered."""
+        w = self._wire.get(rid)
+        if w is not None:
+            self._outbox.put_nowait(AbortReq(rid=w))
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -163,15 +195,18 @@ class SchedulerClient:
             except Exception as exc:  # keep the loop: one bad message must not silence the link
                 logger.exception("could not send %s to the scheduler", type(msg).__name__)
                 if isinstance(msg, GenerateReq):
-                    self._fail_request(msg.rid, f"could not send request {msg.rid!r} to the scheduler: "
-                                                f"{type(exc).__name__}: {exc}")
+                    self._fail_request(msg.rid, f"{type(exc).__name__}: {exc}")
 
-    def _fail_request(self, rid: str, reason: str) -> None:
+    def _fail_request(self, wire: str, why: str) -> None:
         """Finish one sequence with 500 (a fault of this process, not of the client or a peer)."""
-        q = self._queues.pop(rid, None)
-        if q is not None:
-            q.put_nowait(ReqOutput(rid=rid, finish=FinishReason(type="abort", message=reason),
-                                   error=reason, http_status=500))
+        route = self._routes.pop(wire, None)
+        if route is None:
+            return  # unregistered meanwhile: nobody waits
+        rid, q = route
+        del self._wire[rid]
+        reason = f"could not send request {rid!r} to the scheduler: {why}"
+        q.put_nowait(ReqOutput(rid=rid, finish=FinishReason(type="abort", message=reason),
+                               error=reason, http_status=500))
 
     def _task_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or self.gone_reason is not None:
@@ -206,11 +241,19 @@ class SchedulerClient:
         self.ready.set()
         if isinstance(msg, BatchOutput):
             for item in msg.items:
-                q = self._queues.get(item.rid)
-                if q is None:
+                wire = item.rid
+                route = self._routes.get(wire)
+                if route is None:
                     continue  # aborted / disconnected / already answered: nobody listens
-                if item.finish is not None:
-                    self._queues.pop(item.rid, None)
+                rid, q = route
+                if item.finish is not None:  # the last output: the rid is free again
+                    del self._routes[wire]
+                    del self._wire[rid]
+                item.rid = rid
+                if item.error is not None:  # the scheduler names the sequence by its wire rid
+                    item.error = item.error.replace(wire, rid)
+                if item.finish is not None and item.finish.message is not None:
+                    item.finish.message = item.finish.message.replace(wire, rid)
                 q.put_nowait(item)
         elif isinstance(msg, QueryReply):
             fut = self._queries.get(msg.query_id)
@@ -232,12 +275,13 @@ class SchedulerClient:
                 self._fail_all("the scheduler process exited")
 
     def _fail_all(self, reason: str) -> None:
-        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
+        logger.error("%s; failing %d in-flight requests", reason, len(self._routes))
         self.gone_reason = reason
-        for rid, q in list(self._queues.items()):
+        for rid, q in self._routes.values():
             q.put_nowait(ReqOutput(rid=rid, finish=FinishReason(type="abort", message=reason),
                                    error=reason, http_status=503))
-        self._queues.clear()
+        self._routes.clear()
+        self._wire.clear()
         for fut in self._queries.values():
             if not fut.done():
                 fut.set_exception(SchedulerGone(reason))

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from common.protocol import IpcEndpoints
+from common.server.scheduler_client import client_rid
 from common.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.integration
@@ -187,6 +188,16 @@ def post(node: Node, path: str, body: Any, timeout: float = 30) -> httpx.Respons
     return httpx.post(node.url + path, json=body, timeout=timeout)
 
 
+def post_once_free(node: Node, body: dict, timeout: float = 2.0) -> httpx.Response:
+    """POST, retrying while the API still holds the rid (it frees it when it notices the disconnect)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = post(node, "/generate", body)
+        if r.status_code != 400 or "already in flight" not in r.text or time.monotonic() > deadline:
+            return r
+        time.sleep(0.01)
+
+
 # ---- ops endpoints ------------------------------------------------------------------------------
 
 
@@ -235,7 +246,7 @@ def test_generate_whole_and_stream(decode: Node, tok: Tokenizer, alphabet: list[
     assert meta["id"] == "gen-1" and meta["finish_reason"] == {"type": "length", "length": 6}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(pids), 6)
     assert [x[1] for x in meta["output_token_logprobs"]] == want
-    sent = decode.wait_received("generate", lambda m: m["rid"] == "gen-1")
+    sent = decode.wait_received("generate", lambda m: client_rid(m["rid"]) == "gen-1")
     assert sent["input_ids"] == pids and sent["sampling"]["max_new_tokens"] == 6 and sent["return_logprob"]
 
     s = post(decode, "/generate", {**body, "rid": "gen-2", "stream": True})
@@ -387,27 +398,42 @@ def test_client_disconnect_mid_stream_sends_abort(decode: Node) -> None:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
         assert got  # tokens were flowing
-    decode.wait_received("abort", lambda m: m["rid"] == "disc-stream")
+    decode.wait_received("abort", lambda m: client_rid(m["rid"]) == "disc-stream")
     # and while waiting for a non-streamed answer
     with pytest.raises(httpx.ReadTimeout):
         post(decode, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1500}, "rid": "disc-whole"},
              timeout=0.5)
-    decode.wait_received("abort", lambda m: m["rid"] == "disc-whole")
+    decode.wait_received("abort", lambda m: client_rid(m["rid"]) == "disc-whole")
     assert httpx.get(decode.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0
+
+
+def test_rid_reused_right_after_a_disconnect(decode: Node, alphabet: list[int]) -> None:
+    for i in range(5):  # the old request's abort answer races the new request: try a few times
+        body = {"text": "a", "sampling_params": {"max_new_tokens": 1500}, "stream": True, "rid": "reuse"}
+        with httpx.stream("POST", decode.url + "/generate", json=body, timeout=30) as r:
+            assert [line for line, _ in zip(r.iter_lines(), range(6)) if line.startswith("data: ")]
+        r = post_once_free(decode, {"input_ids": [7 + i], "sampling_params": {"max_new_tokens": 4}, "rid": "reuse"})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == expected_ids(alphabet, [7 + i], 4), i
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        assert out["meta_info"]["id"] == "reuse" and out["meta_info"]["prompt_tokens"] == 1
 
 
 def test_duplicate_rid_and_abort_request(decode: Node) -> None:
     body = {"text": "a", "sampling_params": {"max_new_tokens": 1500}, "rid": "dup"}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(post, decode, "/generate", body)
-        decode.wait_received("generate", lambda m: m["rid"] == "dup")
+        wire = decode.wait_received("generate", lambda m: client_rid(m["rid"]) == "dup")["rid"]
         second = post(decode, "/generate", body)
         assert second.status_code == 400 and "already in flight" in second.json()["error"]["message"]
         aborted = post(decode, "/abort_request", {"rid": "dup"})
         assert aborted.json() == {"aborted": ["dup"]}
+        decode.wait_received("abort", lambda m: m["rid"] == wire)  # the scheduler's name for it
         out = first.result(timeout=10).json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 1500
-    assert len([m for m in decode.received("generate") if m["rid"] == "dup"]) == 1
+    assert out["meta_info"]["id"] == "dup"
+    assert len([m for m in decode.received("generate") if client_rid(m["rid"]) == "dup"]) == 1
     assert post(decode, "/abort_request", {"rid": 5}).status_code == 400
 
 
@@ -437,8 +463,25 @@ def test_prefill_runs_to_its_end_when_the_client_leaves(prefill: Node) -> None:
     with pytest.raises(httpx.ReadTimeout):
         post(prefill, "/generate", body, timeout=0.05)
     time.sleep(0.8)  # the fake prefill finishes after one 0.3 s step
-    assert not [m for m in prefill.received("abort") if m["rid"] == "p-leave"]
+    assert [m for m in prefill.received("generate") if client_rid(m["rid"]) == "p-leave"]
+    assert not [m for m in prefill.received("abort") if client_rid(m["rid"]) == "p-leave"]
     assert httpx.get(prefill.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0
+
+
+
+def test_prefill_rid_reused_while_the_left_request_runs(prefill: Node, tok: Tokenizer) -> None:
+    """The left request (1 prompt token) finishes after the reuse (3 tokens) was sent: its answer
+    used to be routed by rid into the new request."""
+    body = {"text": "a", "bootstrap_host": "h", "bootstrap_room": 46, "rid": "p-reuse"}
+    with pytest.raises(httpx.ReadTimeout):
+        post(prefill, "/generate", body, timeout=0.05)
+    prompt = "the cache node"
+    r = post_once_free(prefill, {**body, "text": prompt, "bootstrap_room": 47})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["id"] == "p-reuse" and meta["prompt_tokens"] == len(tok.encode(prompt)) != len(tok.encode("a"))
+    sent = [m for m in prefill.received("generate") if client_rid(m["rid"]) == "p-reuse"]
+    assert [m["bootstrap_room"] for m in sent] == [46, 47] and sent[0]["rid"] != sent[1]["rid"]
 
 
 # ---- scheduler death ----------------------------------------------------------------------------
@@ -449,7 +492,7 @@ def test_scheduler_death_fails_requests_with_503(decode: Node) -> None:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(post, decode, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1500},
                                                           "rid": "orphan"})
-        decode.wait_received("generate", lambda m: m["rid"] == "orphan")
+        decode.wait_received("generate", lambda m: client_rid(m["rid"]) == "orphan")
         _kill(decode.fake)
         r = pending.result(timeout=15)
     assert r.status_code == 503 and "scheduler process exited" in r.json()["error"]["message"]

@@ -1,28 +1,20 @@
 """Response shaping of the API process: SubState folding, native/OpenAI bodies, SSE chunks, metrics
-text, and SchedulerClient's output routing (no sockets: messages are fed to its dispatcher)."""
+text (SchedulerClient: test_server_scheduler_client.py)."""
 from __future__ import annotations
 
-import asyncio
 import json
-from pathlib import Path
 
-import httpx
 import pytest
-import zmq
-import zmq.asyncio
 
-from common.protocol import BatchOutput, GenerateReq, IpcEndpoints, QueryReply, ReqOutput, decode_to_scheduler, encode
+from common.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
+from common.server import metrics as metrics_mod
 from common.server.config import ApiConfig
 from common.server.errors import error_body
-from common.server import metrics as metrics_mod
-from common.server import scheduler_client as scheduler_client_mod
-from common.server.app import create_app
 from common.server.metrics import ApiMetrics, scheduler_gauges
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest, SubRequest
 from common.server.responses import DONE, StreamShaper, chat_body, completion_body, native_body, usage
-from common.server.scheduler_client import DuplicateRid, SchedulerClient, SchedulerGone
 from common.tokenizer import Tokenizer
 
 WORDS = [" cache", " node", " page", " the", " token"]
@@ -257,101 +249,3 @@ def test_throughput_window_stays_bounded_without_scrapes(monkeypatch: pytest.Mon
     assert 'pdc_api_generation_tokens_per_second{model_name="tiny",role="decode"} 16.2' in text
     assert 'pdc_api_generation_tokens_total{model_name="tiny",role="decode"} 10000.0' in text
 
-
-# ---- SchedulerClient routing --------------------------------------------------------------------
-
-
-def test_scheduler_client_routes_outputs_and_replies() -> None:
-    async def scenario() -> None:
-        c = SchedulerClient("ipc:///nonexistent-a", "ipc:///nonexistent-b")
-        q = c.register(["a", "b"])
-        with pytest.raises(DuplicateRid):
-            c.register(["b"])
-        c._dispatch(b"\xc1garbage")  # dropped, logged
-        assert not c.ready.is_set()
-        c._dispatch(encode(BatchOutput(items=[
-            ReqOutput(rid="a", new_token_ids=[1]),
-            ReqOutput(rid="zzz", new_token_ids=[1]),  # nobody listens: dropped
-            ReqOutput(rid="b", finish=FinishReason(type="length", length=0)),
-        ])))
-        assert c.ready.is_set()
-        got = [q.get_nowait(), q.get_nowait()]
-        assert [(o.rid, o.new_token_ids) for o in got] == [("a", [1]), ("b", [])] and q.empty()
-        assert c.is_inflight("a") and not c.is_inflight("b")  # a finish unregisters its rid
-        c.register(["b"])  # so the rid may be reused
-        fut_task = asyncio.ensure_future(c.query("load", timeout=2.0))
-        await asyncio.sleep(0)
-        [qid] = list(c._queries)
-        c._dispatch(encode(QueryReply(query_id=qid, payload={"num_reqs": 4})))
-        assert await fut_task == {"num_reqs": 4}
-        with pytest.raises(TimeoutError):
-            await c.query("memory", timeout=0.01)
-        assert not c._queries
-        c._fail_all("the scheduler process exited")
-        fail = q.get_nowait()
-        assert fail.rid == "a" and fail.http_status == 503 and "exited" in (fail.error or "")
-        with pytest.raises(SchedulerGone):
-            c.register(["c"])
-
-    asyncio.run(scenario())
-
-
-def test_a_message_that_cannot_be_sent_fails_only_its_request(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        ep = IpcEndpoints.fresh(str(tmp_path))
-        ctx = zmq.asyncio.Context()
-        sched = ctx.socket(zmq.PULL)  # stands in for the scheduler's end
-        sched.bind(ep.to_scheduler)
-        c = SchedulerClient(ep.to_scheduler, ep.from_scheduler)
-        await c.start()
-        try:
-            q_bad, q_ok = c.register(["bad"]), c.register(["ok"])
-            # A value validation should have stopped (msgpack ints are at most 64 bits).
-            c.send(GenerateReq(rid="bad", input_ids=[1], sampling=SamplingParams(seed=2**70)))
-            c.send(GenerateReq(rid="ok", input_ids=[1], sampling=SamplingParams(seed=5)))
-            out = await asyncio.wait_for(q_bad.get(), 5)
-            assert out.rid == "bad" and out.http_status == 500 and out.finish is not None
-            assert "OverflowError" in (out.error or "") and "'bad'" in (out.error or "")
-            got = decode_to_scheduler(await asyncio.wait_for(sched.recv(), 5))  # the link still works
-            assert isinstance(got, GenerateReq) and got.sampling.seed == 5
-            assert c.gone_reason is None and q_ok.empty()
-            assert not c.is_inflight("bad") and c.is_inflight("ok")
-        finally:
-            await c.close()
-            sched.close(linger=0)
-            ctx.term()
-
-    asyncio.run(scenario())
-
-
-def test_a_dead_link_task_turns_health_503(tiny_qwen3: str, tok: Tokenizer, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    async def scenario() -> None:
-        ep = IpcEndpoints.fresh(str(tmp_path))
-        c = SchedulerClient(ep.to_scheduler, ep.from_scheduler)
-        app = create_app(ApiConfig.for_model_dir("decode", tiny_qwen3), c, tok)
-        await c.start()  # the app's lifespan does this under uvicorn
-        try:
-            c._dispatch(encode(BatchOutput(items=[])))  # the scheduler "answered": ready
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
-                assert (await http.get("/health")).status_code == 200
-
-                def cannot_encode(msg: object) -> bytes:
-                    raise ValueError("unencodable")
-
-                def buggy_fail(rid: str, reason: str) -> None:
-                    raise RuntimeError("a bug in the failure path")
-
-                # The per-message handler itself fails: the send task dies after all.
-                monkeypatch.setattr(scheduler_client_mod, "encode", cannot_encode)
-                monkeypatch.setattr(c, "_fail_request", buggy_fail)
-                r = await asyncio.wait_for(http.post("/generate", json={"text": "a"}), 10)
-                assert r.status_code == 503 and "sched-send" in r.json()["error"]["message"]
-                health = await http.get("/health")
-                assert health.status_code == 503 and "sched-send" in health.json()["error"]["message"]
-                r = await asyncio.wait_for(http.post("/generate", json={"text": "a"}), 10)
-                assert r.status_code == 503
-        finally:
-            await c.close()
-
-    asyncio.run(scenario())
