@@ -21,6 +21,9 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 
 
+MAX_REPETITION_PENALTY = 100.0
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -55,8 +58,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad(f"top_k must be -1 (off) or in [1, 2^31-1], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # Bounded above so a penalised logit stays finite in float32 (1e300 would make NaN rows).
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             val = getattr(self, name)
             if not math.isfinite(val) or not -2.0 <= val <= 2.0:

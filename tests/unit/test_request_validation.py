@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.protocol import GenerateReq, decode_to_scheduler, encode
+from common.request import InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError
 from common.server.parse_common import ParsedRequest
@@ -120,3 +121,13 @@ def test_an_invalid_seed_is_not_wrapped_into_range(cfg: ApiConfig, tok: Tokenize
     for body in (native({"n": 2, "seed": -1}), native({"n": 2, "seed": 2**63})):
         with pytest.raises(ApiError, match="seed"):
             parse_generate(body, cfg, tok)
+
+
+@pytest.mark.parametrize("penalty", [0.0, -1.0, 1e300, float("inf"), float("nan"), 100.5])
+def test_repetition_penalty_out_of_range_is_rejected(penalty: float) -> None:
+    with pytest.raises(InvalidRequest, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty).validate()
+
+
+def test_repetition_penalty_at_the_bound_is_accepted() -> None:
+    SamplingParams(repetition_penalty=100.0).validate()
