@@ -237,7 +237,7 @@ def format_nodes(cmp: dict) -> str:
 # ---- main ------------------------------------------------------------------------------------------
 
 
-def bench(a: argparse.Namespace, target: Target) -> int:
+def bench(a: argparse.Namespace, target: Target, pair: LaunchedPair | None = None) -> int:
     try:
         info = get_json(target.decode + "/server_info")
         prefill_info = get_json(target.prefill + "/server_info")
@@ -266,7 +266,9 @@ def bench(a: argparse.Namespace, target: Target) -> int:
     print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
           f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
           f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
+    cpu_before, client_before = (pair.cpu_seconds() if pair else None), time.process_time()
     results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout))
+    cpu = cpu_used(cpu_before, pair.cpu_seconds() if pair else None, time.process_time() - client_before)
     load_after = os.getloadavg()
     summary = report.summarize(results, duration, a.slo_ttft_ms, a.slo_tpot_ms)
     after = snapshot(target, a.idle_timeout)
@@ -274,16 +276,25 @@ def bench(a: argparse.Namespace, target: Target) -> int:
     leak_clean = all(not nodes[r]["leak_problems"] for r in nodes)
     print(report.format_report(summary))
     print(format_nodes(nodes))
+    print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
     if a.json_path:
         doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
                "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
-               "nodes": nodes, "before": before, "after": after,
+               "nodes": nodes, "before": before, "after": after, "cpu_seconds": cpu,
                "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
                "requests": [asdict(r) for r in results]}
         with open(a.json_path, "w") as f:
             json.dump(doc, f, indent=1)
     return 0 if summary["failed"] == 0 and leak_clean else 1
+
+
+def cpu_used(before: dict[str, float] | None, after: dict[str, float] | None, client_s: float) -> dict[str, float]:
+    """CPU seconds the run cost each launched node (process group) and this client process. On a
+    shared CPU box this, not wall time, says where the work went."""
+    out = {k: round(after[k] - before.get(k, 0.0), 3) for k in after} if before and after else {}
+    out["bench_client"] = round(client_s, 3)
+    return out
 
 
 def _sigterm(signum: int, _frame: object) -> None:
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launched prefill {target.prefill} (bootstrap port {target.bootstrap_port}), decode {target.decode}, "
               f"transfer backend {a.transfer_backend}, model {model}; node pids "
               f"{' '.join(str(p.pid) for p in pair.procs)}; logs in {pair.logdir}", flush=True)
-        return bench(a, target)
+        return bench(a, target, pair)
     finally:
         pair.stop()
         signal.signal(signal.SIGTERM, previous)

@@ -56,6 +56,29 @@ class LaunchedPair:
         wait_healthy(self.target.decode, self.procs[1], startup_timeout_s)
         return self.target
 
+    def cpu_seconds(self) -> dict[str, float] | None:
+        """User + system CPU seconds used so far by each node's live processes, split into its API
+        process (the group leader: uvicorn, tokenize, stream) and the rest of its group (the
+        scheduler process, plus multiprocessing's small helpers); None without /proc (not Linux)."""
+        if not os.path.isdir("/proc") or len(self.procs) != 2:
+            return None
+        groups = {self.procs[0].pid: "prefill", self.procs[1].pid: "decode"}
+        out = {f"{role}_{part}": 0.0 for role in groups.values() for part in ("api", "scheduler")}
+        tick = os.sysconf("SC_CLK_TCK")
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+            except OSError:
+                continue  # exited meanwhile
+            pgrp = int(fields[2])
+            if pgrp in groups:
+                part = "api" if int(entry) == pgrp else "scheduler"
+                out[f"{groups[pgrp]}_{part}"] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        return out
+
     def log_tails(self, n: int = 30) -> str:
         out = []
         for path in self.logs:

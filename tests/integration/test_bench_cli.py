@@ -103,6 +103,9 @@ def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: floa
     assert doc["nodes"]["decode"]["counter_deltas"]["generated_tokens_total"] == s["total_output_tokens"]
     assert doc["nodes"]["prefill"]["counter_deltas"]["prompt_tokens_total"] == s["total_input_tokens"]
     assert "leak check prefill clean" in stdout and "leak check decode  clean" in stdout
+    cpu = doc["cpu_seconds"]  # launched pair: each node's process group, read from /proc
+    assert set(cpu) == {"prefill_api", "prefill_scheduler", "decode_api", "decode_scheduler", "bench_client"}
+    assert cpu["decode_scheduler"] > 0 and cpu["prefill_scheduler"] > 0 and cpu["bench_client"] > 0
 
 
 @pytest.fixture(scope="module")
