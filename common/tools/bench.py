@@ -42,9 +42,8 @@ import aiohttp
 
 from common.tools import bench_report as report
 from common.tools.bench_client import RequestResult, Target, send_pd
-from common.tools.bench_launch import LaunchedPair
 from common.tools.bench_workload import BenchRequest, make_workload
-from common.tools.up import get_json
+from common.tools.pair import LaunchedPair, get_json
 
 WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 32, 4
 IDLE_POLL_S = 0.1
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         host = a.bootstrap_host or urlparse(a.prefill).hostname or "127.0.0.1"
         return bench(a, Target(a.prefill.rstrip("/"), a.decode.rstrip("/"), host, a.bootstrap_port))
     model = tiny_model(a) if a.make_tiny_model else a.model_path
-    pair = LaunchedPair()
+    pair = LaunchedPair(logdir=tempfile.mkdtemp(prefix="pdc-bench-"))
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         try:

@@ -12,43 +12,17 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with code {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+from common.tools.pair import LaunchedPair, get_json
 
 
 def post_json(url: str, body: dict, timeout_s: float = 120) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
 
 
@@ -60,6 +34,10 @@ def pd_request(prefill: str, decode: str, bootstrap_port: int, path: str, body: 
         d = pool.submit(post_json, decode + path, body)
         p.result()
         return d.result()
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # runs the finally below: the nodes are stopped, not orphaned
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,47 +64,30 @@ def main(argv: list[str] | None = None) -> int:
         model = os.path.join(tempfile.gettempdir(), "pdcluster-demo-tiny-qwen3")
         if not os.path.isfile(os.path.join(model, "config.json")):
             make_tiny_model(model, arch="qwen3", seed=0)
-    p_port, d_port, b_port = free_port(), free_port(), free_port()
-    common = ["--model-path", model, "--host", "127.0.0.1", "--page-size", str(args.page_size),
-              "--disaggregation-transfer-backend", args.transfer_backend]
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "prefill_node", *common, "--port", str(p_port),
-                          "--disaggregation-bootstrap-port", str(b_port)], start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "decode_node", *common, "--port", str(d_port)], start_new_session=True),
-    ]
-    prefill, decode = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    pair = LaunchedPair()
     try:
-        wait_healthy(prefill, procs[0], args.startup_timeout)
-        wait_healthy(decode, procs[1], args.startup_timeout)
-        print(f"prefill node {prefill} (bootstrap port {b_port}), decode node {decode}", flush=True)
+        t = pair.start(model, args.transfer_backend, args.page_size, [], [], args.startup_timeout)
+        print(f"prefill node {t.prefill} (bootstrap port {t.bootstrap_port}), decode node {t.decode}", flush=True)
         if not args.demo:
             print("cluster up; Ctrl-C to stop", flush=True)
-            while all(p.poll() is None for p in procs):
+            while all(p.poll() is None for p in pair.procs):
                 time.sleep(1)
             return 1
         body = {"model": None, "messages": [{"role": "user", "content": args.prompt}],
                 "max_tokens": args.max_new_tokens, "temperature": 0}
-        out = pd_request(prefill, decode, b_port, "/v1/chat/completions", body)
-        print("request :", args.prompt)
+        out = pd_request(t.prefill, t.decode, t.bootstrap_port, "/v1/chat/completions", body)
         note = "  (random weights: the text is noise; make test checks the tokens against HF)" if args.model_path is None else ""
+        print("request :", args.prompt)
         print("answer  :", json.dumps(out["choices"][0]["message"]["content"]) + note)
         print("usage   :", json.dumps(out.get("usage")))
-        print("memory  : prefill", json.dumps(get_json(prefill + "/debug/memory")))
-        print("          decode ", json.dumps(get_json(decode + "/debug/memory")))
+        print("memory  : prefill", json.dumps(get_json(t.prefill + "/debug/memory")))
+        print("          decode ", json.dumps(get_json(t.decode + "/debug/memory")))
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
+        pair.stop()
 
 if __name__ == "__main__":
     sys.exit(main())

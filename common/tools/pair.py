@@ -1,22 +1,26 @@
-"""Start a prefill + decode pair on this machine for ``pdcluster bench --launch``; stop it by PID.
+"""Start a prefill + decode pair on this machine (``pdcluster up``, ``pdcluster bench --launch``);
+stop it by PID.
 
-Built from ``common.tools.up``'s helpers (free ports, health wait). Each node runs in its own
-session, so ``stop()`` signals the whole process group (API process, scheduler, mooncake threads)
-— SIGTERM, then SIGKILL after a grace period. Node output goes to log files (their tails are
-shown when a node fails to start), not to the bench's terminal.
+Each node runs in its own session, so ``stop()`` signals the whole process group (API process,
+scheduler, mooncake threads) — SIGTERM, then SIGKILL after a grace period. With a ``logdir`` node
+output goes to log files (their tails are shown when a node fails to start); without, it goes to
+this process's terminal.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
+import time
+import urllib.request
 from dataclasses import dataclass, field
+from typing import IO
 
 from common.tools.bench_client import Target
-from common.tools.up import free_port, wait_healthy
 
 STOP_GRACE_S = 15.0
 # The directory holding the ``common`` package: children import ``prefill_node`` / ``decode_node``
@@ -24,12 +28,38 @@ STOP_GRACE_S = 15.0
 _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout_s: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+
+
 @dataclass
 class LaunchedPair:
     """Use as ``pair = LaunchedPair(); try: pair.start(...) ... finally: pair.stop()``: processes
     are recorded as they start, so a start-up failure leaves nothing running."""
 
-    logdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdc-bench-"))
+    logdir: str | None = None  # None: node output goes to our stdout/stderr
     target: Target | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)
@@ -46,12 +76,18 @@ class LaunchedPair:
         common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
                   "--disaggregation-transfer-backend", backend, "--disaggregation-bootstrap-port", str(b_port)]
         for role, port, extra in (("prefill", p_port, prefill_args), ("decode", d_port, decode_args)):
-            log_path = os.path.join(self.logdir, f"{role}.log")
-            self.logs.append(log_path)
-            with open(log_path, "w") as log:
+            log: IO[str] | None = None
+            if self.logdir is not None:
+                log_path = os.path.join(self.logdir, f"{role}.log")
+                self.logs.append(log_path)
+                log = open(log_path, "w")
+            try:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", f"{role}_node", *common, "--port", str(port), *extra], env=env,
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                    stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True))
+            finally:
+                if log is not None:
+                    log.close()  # the child has its own copy of the descriptor
         wait_healthy(self.target.prefill, self.procs[0], startup_timeout_s)
         wait_healthy(self.target.decode, self.procs[1], startup_timeout_s)
         return self.target
