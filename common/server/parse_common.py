@@ -13,9 +13,11 @@ see the same body agree.
 Fan-out: a batch of k prompts with ``n`` samples each becomes k*n sub-requests, item-major
 (sub-request ``i*n + j`` is sample j of prompt i). With a ``seed``, sample j uses ``seed + j``
 wrapped into [0, 2^63-1] (``sample_seed``), so the n samples differ yet stay reproducible; every
-endpoint applies it in ``finalize_sub``. Bootstrap fields are a scalar (one sequence)
-or a list of length k*n, one room per sub-request, in that same order — sglang-router sends
-lists of length len(text) for a /generate batch and of length n for a chat request with n > 1.
+endpoint applies it in ``finalize_sub``. Bootstrap fields are a scalar or a list of length
+k*n, one room per sub-request, in that same order — sglang-router sends lists of length
+len(input_ids) for a /generate batch and of length n for a chat request with n > 1, but one
+scalar room for n > 1 on /generate and /v1/completions: as SGLang does, sub-request i then takes
+room + i (wrapped into [0, 2^63-1]), which both nodes derive alike from the same body.
 """
 from __future__ import annotations
 
@@ -154,10 +156,12 @@ def per_item(v: Any, count: int, what: str) -> list[Any]:
 def expand_bootstrap(body: dict, count: int, default_port: int) -> list[tuple[str | None, int | None, int | None]]:
     hosts = per_item(body.get("bootstrap_host"), count, "bootstrap_host")
     ports = per_item(body.get("bootstrap_port"), count, "bootstrap_port")
-    rooms = per_item(body.get("bootstrap_room"), count, "bootstrap_room")
-    if count > 1 and isinstance(body.get("bootstrap_room"), int):
-        # One room can pair only one sequence on each side.
-        raise bad_request(f"one bootstrap_room for {count} sequences; send a list of {count} rooms")
+    first = body.get("bootstrap_room")
+    if count > 1 and is_int(first) and 0 <= first <= MAX_BOOTSTRAP_ROOM:
+        # A room pairs one sequence on each side: consecutive rooms, as SGLang derives them.
+        rooms = [(first + i) % (MAX_BOOTSTRAP_ROOM + 1) for i in range(count)]
+    else:  # a list, or a scalar broadcast (None, or out of range: reported below)
+        rooms = per_item(first, count, "bootstrap_room")
     out = []
     for host, port, room in zip(hosts, ports, rooms):
         if host is not None and not isinstance(host, str):

@@ -339,8 +339,8 @@ BAD = [
     ("/v1/completions", {"model": None}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_p": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2, "bootstrap_host": "h",
-                              "bootstrap_room": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 2,
+                              "bootstrap_host": ["h", "h"], "bootstrap_room": [1]}),
     # Values msgpack cannot carry used to kill the API's send task: every later request hung.
     ("/generate", {"text": "a", "sampling_params": {"seed": 10**30}}),
     ("/generate", {"text": "a", "sampling_params": {"top_k": 2**64}}),

@@ -85,6 +85,24 @@ def test_generate_room_range_is_int64(cfg: ApiConfig, tok: Tokenizer) -> None:
                          "bootstrap_room": [5, room]}, cfg, tok, "'bootstrap_room'", str(room))
 
 
+def test_one_room_for_several_sequences_becomes_consecutive_rooms(cfg: ApiConfig, tok: Tokenizer) -> None:
+    # sglang-router 0.3.2 sends one scalar room for n > 1 on /generate and /v1/completions; SGLang
+    # gives sequence i room + i, and so must we (a room pairs one sequence on each side).
+    req = parse_generate({"input_ids": [1, 2, 3], "sampling_params": {"n": 3}, "bootstrap_host": "p",
+                          "bootstrap_port": None, "bootstrap_room": 40}, cfg, tok)
+    assert [s.bootstrap_room for s in req.subs] == [40, 41, 42]
+    assert [(s.bootstrap_host, s.bootstrap_port) for s in req.subs] == [("p", 7000)] * 3
+    req = parse_completion({"model": "x", "prompt": "a", "n": 2, "bootstrap_host": "p", "bootstrap_port": 9000,
+                            "bootstrap_room": 2**63 - 1}, cfg, tok)
+    assert [s.bootstrap_room for s in req.subs] == [2**63 - 1, 0]  # wrapped: the aux row stores int64
+    req = parse_generate({"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_room": 5}, cfg, tok)
+    assert [s.bootstrap_room for s in req.subs] == [5, 6]
+    bad(parse_generate, {"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_room": 2**63}, cfg, tok,
+        "'bootstrap_room'", "[0, 2^63-1]")
+    bad(parse_generate, {"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_room": True}, cfg, tok,
+        "'bootstrap_room'")
+
+
 @pytest.mark.parametrize("body,needles", [
     ({"text": "a", "input_ids": [1]}, ["either"]),
     ({}, ["'text' or 'input_ids'"]),
@@ -111,7 +129,6 @@ def test_generate_room_range_is_int64(cfg: ApiConfig, tok: Tokenizer) -> None:
     ({"text": "a", "top_logprobs_num": 50}, ["top_logprobs_num"]),
     ({"text": "a", "rid": 5}, ["rid"]),
     ({"text": ["a", "b"], "rid": ["x", "x"]}, ["distinct"]),
-    ({"text": ["a", "b"], "bootstrap_host": "h", "bootstrap_room": 5}, ["list of 2 rooms"]),
     ({"text": ["a", "b"], "bootstrap_host": ["h"], "bootstrap_room": [1]}, ["1 entries for 2 sequences"]),
     ({"text": ["a", "b"], "bootstrap_host": ["h", "h"], "bootstrap_room": [1, 1]}, ["distinct"]),
     ({"text": "a", "bootstrap_room": 5}, ["together"]),
