@@ -28,3 +28,24 @@ run: setup
 
 clean:
 	rm -rf $(VENV) .cache
+
+# sglang-router 0.3.2, the real front door that tests/e2e/test_sglang_router.py puts in front of our
+# nodes, in a venv of its own so its pins never meet ours. Our venv's pip installs it (pip --python):
+# a fresh venv's bundled pip took twice as long. Best effort: if the install fails (no network),
+# `make test` goes on and that test skips, saying why; the next `make test` tries again.
+ROUTER_VENV ?= .venv-router
+.PHONY: router-venv clean-router-venv
+test: router-venv
+clean: clean-router-venv
+
+router-venv: $(ROUTER_VENV)/.installed
+
+$(ROUTER_VENV)/.installed: | $(VENV)/.installed
+	@rm -rf $(ROUTER_VENV)
+	@$(PYTHON) -m venv --without-pip $(ROUTER_VENV) && echo '*' > $(ROUTER_VENV)/.gitignore \
+	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python install -q sglang-router==0.3.2 && touch $@ \
+	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing sglang-router==0.3.2 failed;" \
+	       "tests/e2e/test_sglang_router.py will skip" >&2; }
+
+clean-router-venv:
+	rm -rf $(ROUTER_VENV)

@@ -6,6 +6,7 @@
     c.start_prefill() -> (extra prefill node, its bootstrap port)  killed with the cluster
     c.wait_idle() / wait_idle(url)                            /debug/memory back at idle (bounded) or fail
     check_greedy(model_dir, prompt, output_ids, n, what)      HF greedy equality with the near-tie rule
+    check_greedy_text(model_dir, decode, prompt, text, n, what)  the same for an OpenAI answer's text
 
 Every process is started in its own session and killed by process group in a ``finally`` (SIGTERM,
 then SIGKILL), so a failing test leaves nothing behind. Start-up waits for ``/health`` with a bound
@@ -233,3 +234,16 @@ def check_greedy(model_dir: str, prompt: list[int], got: list[int], n: int, what
             print(f"{what}: near-tie at step {step} (gap {gaps[step]:.2e})")
             return
     assert len(got) == n and got == want, f"{what}: got {got}, HF {want}"
+
+
+def check_greedy_text(model_dir: str, decode: Callable[[list[int]], str], prompt: list[int], got: str, n: int,
+                      what: str) -> None:
+    """``got`` (text, as the OpenAI endpoints answer) is HF greedy detokenized; after a near-tie step
+    only the text before that step must match."""
+    from tests.reference import hf_greedy
+
+    want, gaps = hf_greedy(model_dir, prompt, n)
+    tie = next((k for k, g in enumerate(gaps) if g < NEAR_TIE), n)
+    assert got.startswith(decode(want[:tie])), f"{what}: got {got!r}, HF {decode(want)!r}"
+    if tie == n:
+        assert got == decode(want), f"{what}: got {got!r}, HF {decode(want)!r}"
