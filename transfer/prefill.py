@@ -116,13 +116,13 @@ class PrefillKVManager:
             if room in self._rooms:
                 raise TransferError("room is already in flight on this prefill rank", room)
             r = self._rooms[room] = _Room(room, now)
-            tomb = self._tombstones.pop(room, None)
-            if tomb is not None:
-                self._fail_locked(r, tomb[1])
             orphan = self._orphans.pop(room, None)
             if orphan is not None:
                 for info in orphan[1].values():
                     self._add_info_locked(r, info)
+            tomb = self._tombstones.pop(room, None)
+            if tomb is not None:  # after the orphans: each decode that sent an info hears of it
+                self._fail_locked(r, tomb[1])
         return PrefillKVSender(self, room)
 
     def close(self) -> None:
@@ -150,6 +150,10 @@ class PrefillKVManager:
         session = getattr(msg, "session_id", None)
         if session is not None:
             self._last_heard[session] = time.monotonic()
+        endpoint = getattr(msg, "status_endpoint", None)
+        bad = None if endpoint is None else wire.bad_endpoint(endpoint)
+        if bad is not None:  # every message carries it; each answer would go there
+            return self._refuse_session(msg, f"unusable status endpoint {endpoint!r}: {bad}")  # type: ignore[arg-type]
         if isinstance(msg, m.KVArgsRegister):
             self._on_register(msg)
         elif isinstance(msg, m.TransferInfo):
@@ -175,6 +179,33 @@ class PrefillKVManager:
             log.error("rejecting KV args from decode %s: %s", msg.session_id, reason)
         else:
             log.info("decode %s registered (rank %d, %d KV buffers)", msg.session_id, msg.tp_rank, len(msg.kv_ptrs))
+
+    def _refuse_session(self, msg: m.ToPrefill, reason: str) -> None:
+        """A decode we cannot answer: refuse its session like a layout we cannot serve.
+
+        Its rooms here fail (the scheduler releases them), the room a TransferInfo/AbortRoom
+        names is failed or tombstoned, and none of its infos is kept, so nothing ever tries to
+        reach that address again. It recovers by registering with a usable endpoint.
+        """
+        session = msg.session_id
+        now = time.monotonic()
+        log.error("refusing decode %s: %s", session, reason)
+        with self._lock:
+            self._rejected[session] = reason
+            self._peers.pop(session, None)
+            self._fail_session_locked(session, f"decode {session} refused: {reason}")
+            for room, (_, infos) in list(self._orphans.items()):
+                if infos.pop(session, None) is not None:
+                    self._tombstones[room] = (now + self.config.bootstrap_timeout_s, reason)
+                    if not infos:
+                        del self._orphans[room]
+            room = getattr(msg, "room", None)
+            if room is not None:
+                r = self._rooms.get(room)
+                if r is not None:
+                    self._fail_locked(r, f"decode {session} refused: {reason}")
+                else:
+                    self._tombstones[room] = (now + self.config.bootstrap_timeout_s, reason)
 
     def _on_info(self, info: m.TransferInfo) -> None:
         with self._lock:

@@ -60,6 +60,30 @@ def bad_destination(peer: m.KVArgsRegister, info: m.TransferInfo) -> str | None:
     return None
 
 
+def bad_endpoint(endpoint: str) -> str | None:
+    """Why a peer's ``tcp://host:port`` cannot be used as a status endpoint, or None.
+
+    Checked when a message naming it arrives, so a malformed address is refused once, with a
+    reason, instead of failing later inside a send on some other thread. ZMQ accepts more
+    (wildcards, ``src;dst`` pairs, other transports) but none of that is a peer we can answer.
+    """
+    if not endpoint.startswith("tcp://"):
+        return "not a tcp:// endpoint"
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host:
+        return "expected tcp://host:port"
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            return "bad IPv6 host"
+    elif ":" in host:
+        return "an IPv6 host must be written in brackets"
+    if not endpoint.isascii() or any(c in host for c in "*;/ "):
+        return "bad host"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return "port must be in 1..65535"
+    return None
+
+
 def stub_info(msg: m.AbortRoom) -> m.TransferInfo:
     return m.TransferInfo(room=msg.room, session_id=msg.session_id, instance_id="", status_endpoint=msg.status_endpoint,
                           dst_pages=[], aux_slot=None)

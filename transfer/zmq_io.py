@@ -37,28 +37,40 @@ class PushSockets:
             entry = self._socks.get(endpoint)
             if entry is None:
                 sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, _SNDHWM)
-                sock.connect(endpoint)
+                try:
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+                    sock.connect(endpoint)  # raises on an address ZMQ cannot parse
+                except zmq.ZMQError:
+                    sock.close(linger=0)
+                    raise
                 entry = self._socks[endpoint] = (sock, threading.Lock())
             return entry
 
     def send(self, endpoint: str, msg: messages.ToPrefill | messages.ToDecode) -> bool:
-        """Queue ``msg`` for ``endpoint``; False when it could not be queued."""
-        entry = self._get(endpoint)
-        if entry is None:
-            return False
-        sock, lock = entry
-        data = messages.encode(msg)
-        with lock:
-            if sock.closed:
+        """Queue ``msg`` for ``endpoint``; False when it could not be queued. Never raises.
+
+        Callers send from timer passes, workers and handlers, often under their manager's lock
+        and half-way through a state change: a send that raised there would leave that change
+        half done. A message that cannot go is lost like one to a dead peer, and the protocol's
+        timeouts and heartbeats already turn that into a Failed room.
+        """
+        try:
+            entry = self._get(endpoint)
+            if entry is None:
                 return False
-            try:
+            sock, lock = entry
+            data = messages.encode(msg)
+            with lock:
+                if sock.closed:
+                    return False
                 sock.send(data, zmq.NOBLOCK)
                 return True
-            except zmq.ZMQError as exc:  # Again (queue full) or the socket was closed under us
-                log.warning("dropping %s to %s: %s", type(msg).__name__, endpoint, exc)
-                return False
+        except zmq.ZMQError as exc:  # bad address, Again (queue full), or closed under us
+            log.warning("dropping %s to %s: %s", type(msg).__name__, endpoint, exc)
+        except Exception:
+            log.exception("dropping %s to %s", type(msg).__name__, endpoint)
+        return False
 
     def purge(self, endpoint: str) -> None:
         """Close the socket to a dead peer so nothing queued for it is delivered to a successor."""
