@@ -1,10 +1,11 @@
-# CPU install path: a virtualenv with the pinned CPU torch, Mooncake (TCP) and the project.
-PYTHON ?= python3
-VENV   ?= .venv
-BIN    := $(VENV)/bin
-MODEL  ?= .cache/tiny-qwen3
+# CPU install path: a virtualenv with the pinned CPU torch, Mooncake (TCP) and the project, plus
+# a separate venv with the real sglang-router for the conformance test.
+PYTHON      ?= python3
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+ROUTER_VENV ?= .venv-router
 
-.PHONY: setup test test-unit test-integration test-e2e run clean
+.PHONY: setup router-venv test test-unit test-integration test-e2e run clean
 
 setup: $(VENV)/.installed
 
@@ -17,27 +18,10 @@ $(VENV)/.installed: pyproject.toml scripts/install_system_deps.sh
 	$(BIN)/pip install -q -e '.[cpu,test]'
 	touch $@
 
-test: setup
-	$(BIN)/python -m pytest -q tests
-
-test-unit: setup
-	$(BIN)/python -m pytest -q tests/unit
-
-run: setup
-	$(BIN)/pdcluster up --demo
-
-clean:
-	rm -rf $(VENV) .cache
-
-# sglang-router 0.3.2, the real front door that tests/e2e/test_sglang_router.py puts in front of our
-# nodes, in a venv of its own so its pins never meet ours. Our venv's pip installs it (pip --python):
-# a fresh venv's bundled pip took twice as long. Best effort: if the install fails (no network),
-# `make test` goes on and that test skips, saying why; the next `make test` tries again.
-ROUTER_VENV ?= .venv-router
-.PHONY: router-venv clean-router-venv
-test: router-venv
-clean: clean-router-venv
-
+# sglang-router 0.3.2, the real front door tests/e2e/test_sglang_router.py puts in front of our
+# nodes, in a venv of its own so its pins never meet ours; our venv's pip installs it (a fresh
+# venv's bundled pip took twice as long). Best effort: if the install fails (no network), the tests
+# still run and that one skips, saying why; the next `make test` tries again.
 router-venv: $(ROUTER_VENV)/.installed
 
 $(ROUTER_VENV)/.installed: | $(VENV)/.installed
@@ -47,5 +31,20 @@ $(ROUTER_VENV)/.installed: | $(VENV)/.installed
 	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing sglang-router==0.3.2 failed;" \
 	       "tests/e2e/test_sglang_router.py will skip" >&2; }
 
-clean-router-venv:
-	rm -rf $(ROUTER_VENV)
+test: setup router-venv
+	$(BIN)/python -m pytest -q tests
+
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+test-integration: setup
+	$(BIN)/python -m pytest -q tests/integration
+
+test-e2e: setup router-venv
+	$(BIN)/python -m pytest -q tests/e2e
+
+run: setup
+	$(BIN)/pdcluster up --demo
+
+clean:
+	rm -rf $(VENV) $(ROUTER_VENV)
