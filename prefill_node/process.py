@@ -94,7 +94,11 @@ class PrefillProcess:
                 outputs = sched.step(items)
             except Exception as exc:  # a scheduler bug fails the requests in flight, not the node
                 log.exception("prefill step failed; failing every request in flight")
-                outputs = sched.fail_all(f"internal error in the prefill scheduler: {type(exc).__name__}: {exc}")
+                try:
+                    outputs = sched.fail_all(f"internal error in the prefill scheduler: {type(exc).__name__}: {exc}")
+                except Exception:  # never out of the loop: that would take the node down
+                    log.exception("failing the requests in flight failed too; their transfer timeouts end them")
+                    outputs = []
             self.stats.observe_step()
             io.send(outputs)
             if time.monotonic() > next_check:

@@ -25,6 +25,7 @@ class PrefillReq:
     abort_reason: str | None = None  # set by an abort: the reply is an abort, not a success
     abort_status: int | None = None  # http status of a scheduler-side failure (None: client abort)
     finished: bool = False
+    error_since: float | None = None  # first internal error in this request's own handling
 
     @property
     def prompt_len(self) -> int:

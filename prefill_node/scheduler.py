@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,16 +103,24 @@ class PrefillScheduler:
     def step(self, incoming: Sequence[GenerateReq | AbortReq] = ()) -> list[ReqOutput]:
         out: list[ReqOutput] = []
         for msg in incoming:
-            if isinstance(msg, GenerateReq):
-                self._receive(msg, out)
-            elif msg.rid in self.reqs:
-                self._drain(self.reqs[msg.rid], "aborted by the client", None, out)
+            try:
+                if isinstance(msg, GenerateReq):
+                    self._receive(msg, out)
+                elif msg.rid in self.reqs:
+                    self._drain(self.reqs[msg.rid], "aborted by the client", None, out)
+            except Exception as exc:  # one bad message must not lose the others
+                req = self.reqs.get(msg.rid)
+                if req is not None:
+                    self._request_error(req, "receive", exc, out)
+                elif isinstance(msg, GenerateReq):
+                    log.exception("rid %s: could not take the request", msg.rid)
+                    out.append(failed(msg.rid, f"rid {msg.rid}: internal error: {type(exc).__name__}: {exc}", 500))
         self._poll_bootstrap(out)
         self._drop_failed(out)
         # Finished transfers release before scheduling so this step's batch can use their pages
         # (a chunk sent by this step's forward is polled from the next step on).
         self._poll_inflight(out)
-        batch = self._schedule()
+        batch = self._schedule(out)
         # Waiting requests that did not fit wait for a transfer to finish: no reason to spin.
         self.stalled = not batch
         if batch:
@@ -120,11 +129,18 @@ class PrefillScheduler:
 
     def fail_all(self, reason: str) -> list[ReqOutput]:
         """After an internal error: fail every live request (500); each is still released once,
-        when its room is terminal, by the next steps."""
+        when its room is terminal, by the next steps. Never raises: a request that cannot be
+        failed is logged and left to its transfer timeout. A request the error left in no queue
+        goes to ``inflight``, so it is still polled, answered and released."""
         out: list[ReqOutput] = []
         for req in list(self.reqs.values()):
             if req.abort_reason is None:
-                self._drain(req, reason, 500, out)
+                self._request_error(req, None, reason, out)
+        queued = {id(r) for r in (*self.bootstrap, *self.waiting, *self.inflight, self.chunked)}
+        for req in list(self.reqs.values()):
+            if id(req) not in queued:
+                log.error("%s was in no queue after an internal error; draining it", req.name())
+                self._request_error(req, None, reason, out, requeue=True)
         return out
 
     def has_runnable(self) -> bool:
@@ -173,33 +189,39 @@ class PrefillScheduler:
 
     # ---- queues before the forward -----------------------------------------------------------
 
+    # Every queue pass below takes the whole queue first and puts each request where it belongs
+    # as it goes, inside a per-request guard: an exception for one request fails that request
+    # alone (``_request_error``) and can neither drop the others nor leave one in two places.
+
     def _poll_bootstrap(self, out: list[ReqOutput]) -> None:
-        keep: list[PrefillReq] = []
-        for req in self.bootstrap:
-            state = req.sender.poll()  # type: ignore[union-attr]  # bootstrap requests have senders
-            if state is KVPoll.Bootstrapping:
-                keep.append(req)
-            elif state is KVPoll.Failed:
-                self._finish_transfer(req, state, out)
-            else:  # WaitingForInput: the decode said where to write
-                self.waiting.append(req)
-        self.bootstrap = keep
+        pending, self.bootstrap = self.bootstrap, []
+        for req in pending:
+            with self._guard(req, "bootstrap poll", out):
+                state = req.sender.poll()  # type: ignore[union-attr]  # bootstrap requests have senders
+                if state is KVPoll.Bootstrapping:
+                    self.bootstrap.append(req)
+                elif state is KVPoll.Failed:
+                    self._finish_transfer(req, state, out)
+                else:  # WaitingForInput: the decode said where to write
+                    self.waiting.append(req)
 
     def _drop_failed(self, out: list[ReqOutput]) -> None:
         """A room can fail before its forward (decode gave up, aborted, was refused): free it now."""
-        keep: list[PrefillReq] = []
-        for req in self.waiting:
-            if req.sender is not None and req.sender.poll() is KVPoll.Failed:
-                self._finish_transfer(req, KVPoll.Failed, out)
-            else:
-                keep.append(req)
-        self.waiting = keep
+        pending, self.waiting = self.waiting, []
+        for req in pending:
+            with self._guard(req, "waiting poll", out):
+                if req.sender is not None and req.sender.poll() is KVPoll.Failed:
+                    self._finish_transfer(req, KVPoll.Failed, out)
+                else:
+                    self.waiting.append(req)
         req = self.chunked
-        if req is not None and req.sender is not None and req.sender.poll() is KVPoll.Failed:
-            self.chunked = None
-            self._finish_transfer(req, KVPoll.Failed, out)
+        if req is not None and req.sender is not None:
+            with self._guard(req, "chunked poll", out):
+                if req.sender.poll() is KVPoll.Failed:
+                    self.chunked = None
+                    self._finish_transfer(req, KVPoll.Failed, out)
 
-    def _schedule(self) -> list[tuple[PrefillReq, int]]:
+    def _schedule(self, out: list[ReqOutput]) -> list[tuple[PrefillReq, int]]:
         """This step's batch: (request, tokens to compute) — the chunked request first."""
         mem = self.memory
         adder = PrefillAdder(self.cfg.budget, mem.available_pages(), mem.page_size)
@@ -212,23 +234,39 @@ class PrefillScheduler:
         def prefix_len(r: PrefillReq) -> int:
             return mem.cache.match_prefix(r.input_ids, r.prompt_len - 1).num_tokens
 
-        admitted: set[str] = set()
         for req in order_waiting(self.waiting, self.cfg.policy, prefix_len):
-            before = mem.available_pages()
-            kv = mem.admit(req.input_ids)  # locks the cached prefix
-            if kv is None:
-                break  # no request row free
-            n = adder.add_new(req.prompt_len, kv.num_cached, lock_pages=before - mem.available_pages())
-            if n is None or not mem.reserve(kv, req.prompt_len):
-                mem.release(kv, None)  # unlock; nothing was computed
+            try:
+                n = self._admit(req, adder)
+            except Exception as exc:  # the adder may be half-updated: stop adding this step
+                self._request_error(req, "admission", exc, out)
                 break
-            req.kv = kv
-            admitted.add(req.rid)
+            if n is None:
+                break
             batch.append((req, n))
             if adder.closed:
                 break
-        self.waiting = [r for r in self.waiting if r.rid not in admitted]
         return batch
+
+    def _admit(self, req: PrefillReq, adder: PrefillAdder) -> int | None:
+        """Row + cached prefix + pages for the whole prompt, all or nothing; the request leaves
+        ``waiting`` holding them. Tokens to compute this step, or None (does not fit: stop)."""
+        mem = self.memory
+        before = mem.available_pages()
+        kv = mem.admit(req.input_ids)  # locks the cached prefix
+        if kv is None:
+            return None  # no request row free
+        try:
+            n = adder.add_new(req.prompt_len, kv.num_cached, lock_pages=before - mem.available_pages())
+            fits = n is not None and mem.reserve(kv, req.prompt_len)
+        except BaseException:
+            mem.release(kv, None)
+            raise
+        if not fits:
+            mem.release(kv, None)  # unlock; nothing was computed
+            return None
+        self.waiting.remove(req)
+        req.kv = kv
+        return n
 
     # ---- forward and send ----------------------------------------------------------------------
 
@@ -245,31 +283,34 @@ class PrefillScheduler:
         self.chunked = None
         try:
             results = self.engine.run_extend(chunks, specs)
+            if len(results) != len(batch):
+                raise RuntimeError(f"{len(results)} results for a batch of {len(batch)}")
         except Exception as exc:  # a bad batch fails its requests; the node keeps serving
             log.exception("prefill forward of %d requests failed", len(batch))
             for req, _ in batch:
-                self._drain(req, f"prefill forward failed: {type(exc).__name__}: {exc}", 500, out)
+                self._request_error(req, None, f"prefill forward failed: {type(exc).__name__}: {exc}", out)
             return
         now = self.clock()
         self.counters.forwards += 1
         self.counters.forward_s += now - t0
-        for (req, n), tok in zip(batch, results):
-            assert req.kv is not None
-            if req.kv.kv_len == req.kv.num_cached:
-                self.counters.cached_tokens += req.kv.num_cached
-            req.kv.kv_len += n
-            self.counters.prompt_tokens += n
-            last = req.kv.kv_len == req.prompt_len
-            req.first = tok if last else None
-            if req.sender is not None and not self._send(req, last, out):
-                continue  # drained by a send error
-            if not last:
-                self.chunked = req
-            elif req.sender is None:
-                self._finish(req, local_answer(req, self._local_finish(req)), out)
-            else:
-                req.drain_since = now
-                self.inflight.append(req)
+        for (req, n), tok in zip(batch, results):  # each request is in no queue until placed here
+            with self._guard(req, "after the forward", out):
+                assert req.kv is not None
+                if req.kv.kv_len == req.kv.num_cached:
+                    self.counters.cached_tokens += req.kv.num_cached
+                req.kv.kv_len += n
+                self.counters.prompt_tokens += n
+                last = req.kv.kv_len == req.prompt_len
+                req.first = tok if last else None
+                if req.sender is not None and not self._send(req, last, out):
+                    continue  # drained by a send error
+                if not last:
+                    self.chunked = req
+                elif req.sender is None:
+                    self._finish(req, local_answer(req, self._local_finish(req)), out)
+                else:
+                    req.drain_since = now
+                    self.inflight.append(req)
 
     def _send(self, req: PrefillReq, last: bool, out: list[ReqOutput]) -> bool:
         """Hand the chunk's finished pages to the sender. An intermediate chunk sends full pages
@@ -287,7 +328,9 @@ class PrefillScheduler:
         aux = aux_record(req, req.first, self.cfg.aux_top_k) if last and req.first is not None else None
         try:
             req.sender.send(pages, last, aux)
-        except TransferError as exc:
+        except Exception as exc:  # TransferError, or a bug: either way only this request fails
+            if not isinstance(exc, TransferError):
+                log.exception("%s: KV send raised", req.name())
             self._drain(req, f"KV send failed: {exc}", 500, out)
             return False
         req.sent_pages = upto
@@ -304,21 +347,26 @@ class PrefillScheduler:
 
     def _poll_inflight(self, out: list[ReqOutput]) -> None:
         now = self.clock()
-        keep: list[PrefillReq] = []
-        for req in self.inflight:
-            assert req.sender is not None and req.drain_since is not None
-            state = req.sender.poll()
-            if state.terminal:
-                self._finish_transfer(req, state, out)
-                continue
-            if now - req.drain_since > self.cfg.transfer_timeout_s:
-                # abort is idempotent; poll reports Failed once no write for the room is in flight.
-                req.sender.abort(f"KV transfer not done within {self.cfg.transfer_timeout_s:g} s")
-            keep.append(req)
-        self.inflight = keep
+        pending, self.inflight = self.inflight, []
+        for req in pending:
+            with self._guard(req, "transfer poll", out):
+                assert req.sender is not None and req.drain_since is not None
+                state = req.sender.poll()
+                if state.terminal:
+                    self._finish_transfer(req, state, out)
+                    continue
+                self.inflight.append(req)
+                if now - req.drain_since > self.cfg.transfer_timeout_s:
+                    # abort is idempotent; poll reports Failed once no write for the room is in flight.
+                    req.sender.abort(f"KV transfer not done within {self.cfg.transfer_timeout_s:g} s")
 
     def _drain(self, req: PrefillReq, reason: str, status: int | None, out: list[ReqOutput]) -> None:
-        """End a request early from any queue: abort its room, release once the room is terminal."""
+        """End a request early from any queue: abort its room, release once the room is terminal.
+
+        The request reaches ``inflight`` before its room is aborted, so whatever ``abort`` does,
+        the next steps still poll it to a terminal state, answer it and release it once."""
+        if req.finished:
+            return
         if req.abort_reason is None:
             req.abort_reason, req.abort_status = reason, status
         if self.chunked is req:
@@ -330,10 +378,59 @@ class PrefillScheduler:
         if req.sender is None:  # local request: nothing can read its pages
             self._finish(req, self._abort_output(req, reason, status), out)
             return
-        req.sender.abort(reason)
         if req not in self.inflight:
             req.drain_since = self.clock()
             self.inflight.append(req)
+        try:
+            req.sender.abort(reason)
+        except Exception:  # the room still ends: by the decode's answer or our transfer timeout
+            log.exception("%s: aborting its room failed", req.name())
+
+    @contextmanager
+    def _guard(self, req: PrefillReq, where: str, out: list[ReqOutput]) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            self._request_error(req, where, exc, out)
+
+    def _request_error(self, req: PrefillReq, where: str | None, error: Exception | str, out: list[ReqOutput],
+                       requeue: bool = False) -> None:
+        """Fail one request (500) after an error in its own handling; never raises.
+
+        ``where``: what raised (logged with the traceback); None for a reason given as text.
+        A request whose handling keeps raising for ``transfer_timeout_s`` after the first error
+        is given up: answered and released without a terminal state, so it cannot stay forever.
+        """
+        now = self.clock()
+        if where is not None:
+            if req.error_since is None:
+                log.exception("%s: %s failed; failing this request alone", req.name(), where)
+                req.error_since = now
+            else:
+                log.debug("%s: %s failed again", req.name(), where, exc_info=True)
+        reason = error if isinstance(error, str) else f"internal error ({where}): {type(error).__name__}: {error}"
+        try:
+            if req.finished:
+                return
+            if requeue and req.sender is not None and req not in self.inflight:
+                req.drain_since = req.drain_since if req.drain_since is not None else now
+                self.inflight.append(req)
+            if req.error_since is not None and now - req.error_since > self.cfg.transfer_timeout_s:
+                log.error("%s: still failing after %g s; releasing it without a terminal state",
+                          req.name(), now - req.error_since)
+                self._unqueue(req)
+                self._finish(req, failed(req.rid, f"{req.name()}: {reason}", 500, req.prompt_len, req.cached), out)
+                return
+            self._drain(req, reason, 500, out)
+        except Exception:
+            log.exception("%s: could not fail the request; it ends with its transfer timeout", req.name())
+
+    def _unqueue(self, req: PrefillReq) -> None:
+        if self.chunked is req:
+            self.chunked = None
+        for q in (self.bootstrap, self.waiting, self.inflight):
+            if req in q:
+                q.remove(req)
 
     def _finish_transfer(self, req: PrefillReq, state: KVPoll, out: list[ReqOutput]) -> None:
         assert req.sender is not None
@@ -352,20 +449,24 @@ class PrefillScheduler:
         return failed(req.rid, f"{req.name()}: {reason}", status, req.prompt_len, req.cached)
 
     def _finish(self, req: PrefillReq, output: ReqOutput, out: list[ReqOutput]) -> None:
-        """The single release of everything ``req`` holds, and its last reply."""
+        """The single release of everything ``req`` holds, and its last reply. A second end of
+        the same request (a bug elsewhere) is logged and dropped: raising here would fail every
+        later step at the same point and wedge the node."""
         if req.finished:
-            raise AssertionError(f"{req.name()} finished twice")
+            log.error("%s finished twice; the second end is dropped", req.name())
+            return
         req.finished = True
-        if req.kv is not None:
-            self.memory.release(req.kv, req.input_ids)  # computed full pages join the prefix cache
-        del self.reqs[req.rid]
+        if self.reqs.get(req.rid) is req:
+            del self.reqs[req.rid]
         if output.http_status is not None:
             self.counters.failed += 1
         elif output.finish is not None and output.finish.type == "abort":
             self.counters.aborted += 1
         else:
             self.counters.finished += 1
-        out.append(output)
+        out.append(output)  # answered whatever the release below does
+        if req.kv is not None:
+            self.memory.release(req.kv, req.input_ids)  # computed full pages join the prefix cache
 
     # ---- invariants ----------------------------------------------------------------------------
 
