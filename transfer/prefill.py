@@ -126,7 +126,13 @@ class PrefillKVManager:
         return PrefillKVSender(self, room)
 
     def close(self) -> None:
-        """Stop threads, close sockets, release the engine (idempotent)."""
+        """Stop threads, close sockets, release the engine (idempotent).
+
+        Every room fails first, under the lock: workers then skip the chunks still queued
+        (``begin_chunk``) and stop a chunk in progress before its next batch, so each exits
+        after at most the engine call it is in. The engine is closed only once every worker has
+        exited: closing it unregisters the memory an in-flight write is reading.
+        """
         if self._stop.is_set():
             return
         self._stop.set()
@@ -134,12 +140,21 @@ class PrefillKVManager:
             self._bootstrap.deregister_rank(self._bootstrap_addr, self.rank_info)
         except Exception as exc:
             log.info("could not deregister from bootstrap %s: %s", self._bootstrap_addr, exc)
+        with self._lock:
+            for r in self._rooms.values():
+                self._fail_locked(r, "prefill transfer manager shutting down")
         for w in self._workers:
             w.stop()
+        # One engine call is bounded by the data plane's write timeout, which the quarantine covers.
+        deadline = time.monotonic() + max(10.0, self.config.hung_peer_quarantine_s + 1.0)
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
         self._push.close()
         self._ctx.term()
+        if stuck:  # leak the engine rather than unregister memory under a running write
+            log.error("transfer threads %s did not stop; the data plane is left open", stuck)
+            return
         self.engine.close()
 
     def num_rooms(self) -> int:

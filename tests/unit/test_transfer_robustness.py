@@ -3,6 +3,7 @@ fail its own rooms, never raise into the scheduler or a worker; shutdown and wri
 the fence and still tell the decode. Fake data plane, ZMQ over loopback, in-memory registry."""
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -10,19 +11,20 @@ import pytest
 import zmq
 
 from tests.unit.test_transfer_fake_flow import (  # noqa: F401  (cluster is a fixture)
-    CFG,
     Cluster,
     Side,
     cluster,
     handshake,
+    make_side,
     until_terminal,
     wait_for,
 )
 from transfer import messages as m
 from transfer import wire
-from transfer.config import KVManagerConfig
+from transfer.backends.fake import FakeDataPlane
+from transfer.backends.mooncake import MooncakeDataPlane
+from transfer.descriptors import Descriptors
 from transfer.poll import KVPoll
-from transfer.prefill import PrefillKVManager
 from transfer.zmq_io import PushSockets
 
 # Each test is a few seconds at most; a regression may hang on a peer that never answers.
@@ -113,3 +115,115 @@ def test_abort_from_a_decode_with_unusable_endpoint_still_fails_the_room(
     assert st is KVPoll.Failed and took < 0.5
     wait_for(lambda: 6 in pm._tombstones)
     assert pm.create_sender(6).poll() is KVPoll.Failed
+
+
+class SlowEngine(FakeDataPlane):
+    """Each write takes ``delay_s`` (a peer slow to acknowledge); records writes against close()."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.running = 0
+        self.writes = 0
+        self.running_at_close: int | None = None
+        self.writes_after_close = 0
+        self._count = threading.Lock()
+
+    def write(self, peer_session: str, desc: Descriptors) -> bool:
+        with self._count:
+            self.running += 1
+            self.writes += 1
+            if self.running_at_close is not None:
+                self.writes_after_close += 1
+        time.sleep(self.delay_s)
+        with self._count:
+            self.running -= 1
+        return super().write(peer_session, desc)
+
+    def close(self) -> None:
+        with self._count:
+            self.running_at_close = self.running
+        super().close()
+
+
+def test_close_fails_queued_rooms_and_closes_the_engine_after_the_last_write(cluster: Cluster) -> None:
+    side = make_side()
+    side.engine = SlowEngine(delay_s=0.4)
+    pm, _ = cluster.prefill(side)
+    dm, _ = cluster.decode()
+    rooms = [2, 4, 6, 8, 10]  # all on worker 0 (room % 2): one queue, written one after another
+    pairs = [handshake(pm, dm, room=r, dst_pages=[1]) for r in rooms]
+    for sender, _ in pairs:
+        sender.send([1], last_chunk=True)
+    wait_for(lambda: side.engine.running == 1)
+    t0 = time.monotonic()
+    pm.close()
+    took = time.monotonic() - t0
+    assert side.engine.running_at_close == 0, "engine closed under a running write"
+    assert side.engine.writes_after_close == 0
+    assert side.engine.writes == 1, "chunks queued behind the running one were skipped"
+    assert took < 2 * side.engine.delay_s + 0.5, f"close waited {took:.1f}s"
+    for sender, recv in pairs[1:]:  # failed by the shutdown; their decodes hear it (or see the port close)
+        assert sender.poll() is KVPoll.Failed and "shutting down" in (sender.failure_reason or "")
+        assert until_terminal(recv)[0] is KVPoll.Failed
+
+
+class _StandInMooncake:
+    """The two engine calls MooncakeDataPlane makes around close, with a write that blocks."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.in_write = threading.Event()
+        self.unregistered: list[int] = []
+        self.write_done_before_unregister: bool | None = None
+
+    def batch_transfer_sync_write(self, session: str, src: object, dst: object, lens: object) -> int:
+        self.in_write.set()
+        self.release.wait(5)
+        return 0
+
+    def unregister_memory(self, ptr: int) -> int:
+        self.write_done_before_unregister = self.release.is_set()
+        self.unregistered.append(ptr)
+        return 0
+
+
+def _mooncake_with(engine: _StandInMooncake, close_wait_s: float) -> MooncakeDataPlane:
+    mc = MooncakeDataPlane.__new__(MooncakeDataPlane)  # no real engine: only the locking is under test
+    mc._engine, mc._registered, mc._closed, mc._writes = engine, [0x1000], False, 0
+    mc._lock = threading.Lock()
+    mc._idle = threading.Condition(mc._lock)
+    mc._close_wait_s = close_wait_s
+    mc.max_batch_entries = 2000
+    return mc
+
+
+def test_mooncake_close_waits_for_a_running_write() -> None:
+    eng = _StandInMooncake()
+    mc = _mooncake_with(eng, close_wait_s=5.0)
+    desc = Descriptors([1], [2], [8])
+    results: list[bool] = []
+    writer = threading.Thread(target=lambda: results.append(mc.write("peer", desc)))
+    writer.start()
+    assert eng.in_write.wait(2)
+    closer = threading.Thread(target=mc.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive() and eng.unregistered == [], "close must wait for the write"
+    assert mc.write("peer", desc) is False, "no new write once closing"
+    eng.release.set()
+    writer.join(2)
+    closer.join(2)
+    assert results == [True] and eng.unregistered == [0x1000] and eng.write_done_before_unregister
+
+
+def test_mooncake_close_leaves_the_engine_if_a_write_never_returns() -> None:
+    eng = _StandInMooncake()
+    mc = _mooncake_with(eng, close_wait_s=0.2)
+    writer = threading.Thread(target=mc.write, args=("peer", Descriptors([1], [2], [8])))
+    writer.start()
+    assert eng.in_write.wait(2)
+    mc.close()
+    assert eng.unregistered == [], "memory stays registered under the running write"
+    eng.release.set()
+    writer.join(2)

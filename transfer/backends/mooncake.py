@@ -56,6 +56,10 @@ class MooncakeDataPlane(DataPlane):
         self.max_batch_entries = max_batch_entries
         self._registered: list[int] = []
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last running write returns
+        self._writes = 0  # engine writes running now (close waits for them)
+        # A write blocks at most MC_TRANSFER_TIMEOUT (rounded up, floor 5 s as measured).
+        self._close_wait_s = max(5, math.ceil(transfer_timeout_s)) + 5.0
         self._closed = False
         log.info("mooncake engine up: session %s protocol %s", self._session, proto)
 
@@ -70,18 +74,35 @@ class MooncakeDataPlane(DataPlane):
         self._registered.append(ptr)
 
     def write(self, peer_session: str, desc: Descriptors) -> bool:
-        if self._closed:
-            return False
-        rc = self._engine.batch_transfer_sync_write(peer_session, desc.src, desc.dst, desc.lens)
+        with self._lock:
+            if self._closed:
+                return False
+            self._writes += 1
+        try:
+            rc = self._engine.batch_transfer_sync_write(peer_session, desc.src, desc.dst, desc.lens)
+        finally:
+            with self._lock:
+                self._writes -= 1
+                if self._writes == 0:
+                    self._idle.notify_all()
         if rc != 0:
             log.warning("mooncake write of %d descriptors to %s failed (%d)", len(desc), peer_session, rc)
         return rc == 0
 
     def close(self) -> None:
-        with self._lock:
+        """Refuse new writes, wait for the running ones, then unregister and drop the engine.
+
+        Unregistering memory or destroying the engine under a running write is undefined
+        behaviour in the engine; if a write outlives its own timeout, the engine is left alive.
+        """
+        with self._idle:
             if self._closed:
                 return
             self._closed = True
+            if not self._idle.wait_for(lambda: self._writes == 0, timeout=self._close_wait_s):
+                log.error("mooncake: %d write(s) still running after %gs; engine left open", self._writes,
+                          self._close_wait_s)
+                return
         for ptr in self._registered:
             self._engine.unregister_memory(ptr)
         self._registered.clear()
