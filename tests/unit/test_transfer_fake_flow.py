@@ -315,6 +315,7 @@ def test_prefill_death_fails_rooms_and_restart_serves(cluster: Cluster) -> None:
     r2 = dm.create_receiver(2, ADDR)
     wait_for(lambda: r2.poll() is KVPoll.WaitingForInput)
     port = int(pm.endpoint.rsplit(":", 1)[1])
+    pm._push.close()  # killed, not shut down: no goodbye reaches the decode
     pm.close()  # the control port closes: declared dead and confirmed gone
     for recv in (r1, r2):
         st, took = until_terminal(recv, timeout=3)
