@@ -45,6 +45,11 @@ from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
 log = logging.getLogger(__name__)
 
+# Failure statuses to a decode we stop talking to (write failure, shutdown) still get this long
+# to leave: closing with linger 0 would discard them, and the decode would then wait out its
+# waiting timeout per room instead of hearing why at once.
+GOODBYE_FLUSH_S = 1.0
+
 
 @dataclass
 class _Room:
@@ -150,7 +155,7 @@ class PrefillKVManager:
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in self._threads if t.is_alive()]
-        self._push.close()
+        self._push.close(flush_s=GOODBYE_FLUSH_S)
         self._ctx.term()
         if stuck:  # leak the engine rather than unregister memory under a running write
             log.error("transfer threads %s did not stop; the data plane is left open", stuck)
@@ -414,5 +419,7 @@ class PrefillKVManager:
                 peer = self._peers.pop(dead_session, None)
                 self._fail_session_locked(dead_session, error or f"decode {dead_session} unreachable")
         if dead_session is not None and peer is not None:
-            # Forget the peer: a restarted decode registers again under a new session.
-            self._push.purge(peer.status_endpoint)
+            # Forget the peer (a restarted decode registers again under a new session), but let
+            # the Failed statuses just queued for its rooms reach it: its data port failed, its
+            # control port may well be alive.
+            self._push.purge(peer.status_endpoint, flush_s=GOODBYE_FLUSH_S)

@@ -72,27 +72,34 @@ class PushSockets:
             log.exception("dropping %s to %s", type(msg).__name__, endpoint)
         return False
 
-    def purge(self, endpoint: str) -> None:
-        """Close the socket to a dead peer so nothing queued for it is delivered to a successor."""
+    def purge(self, endpoint: str, flush_s: float = 0.0) -> None:
+        """Forget the socket to a peer.
+
+        ``flush_s == 0``: what is still queued is discarded (a dead peer: nothing may reach a
+        successor on the same address). ``flush_s > 0``: it still gets that long to leave in
+        the background (a peer we drop but are telling why: those messages are the point).
+        """
         with self._lock:
             entry = self._socks.pop(endpoint, None)
         if entry is not None:
             sock, lock = entry
             with lock:
-                sock.close(linger=0)
+                sock.close(linger=int(flush_s * 1000))
 
     def endpoints(self) -> list[str]:
         with self._lock:
             return list(self._socks)
 
-    def close(self) -> None:
+    def close(self, flush_s: float = 0.0) -> None:
+        """Close every socket; queued messages get ``flush_s`` to leave (the context's
+        ``term()`` waits that long at most for them)."""
         with self._lock:
             self._closed = True
             entries = list(self._socks.values())
             self._socks.clear()
         for sock, lock in entries:
             with lock:
-                sock.close(linger=0)
+                sock.close(linger=int(flush_s * 1000))
 
 
 def bind_pull(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:

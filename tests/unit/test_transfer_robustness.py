@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from tests.unit.test_transfer_fake_flow import (  # noqa: F401  (cluster is a fixture)
+    CFG,
     Cluster,
     Side,
     cluster,
@@ -23,6 +24,7 @@ from transfer import messages as m
 from transfer import wire
 from transfer.backends.fake import FakeDataPlane
 from transfer.backends.mooncake import MooncakeDataPlane
+from transfer.config import KVManagerConfig
 from transfer.descriptors import Descriptors
 from transfer.poll import KVPoll
 from transfer.zmq_io import PushSockets
@@ -227,3 +229,19 @@ def test_mooncake_close_leaves_the_engine_if_a_write_never_returns() -> None:
     assert eng.unregistered == [], "memory stays registered under the running write"
     eng.release.set()
     writer.join(2)
+
+
+def test_write_failure_statuses_reach_the_decode_before_its_socket_is_purged(cluster: Cluster) -> None:
+    """The Failed statuses for every room of an unreachable decode are queued and the socket to it
+    purged in the same call; they must still arrive (not wait out the decode's waiting timeout)."""
+    cfg = KVManagerConfig(**{**CFG.__dict__, "waiting_timeout_s": 3.0, "heartbeat_interval_s": 5.0})
+    pm, p = cluster.prefill(cfg=cfg)
+    dm, d = cluster.decode(cfg=cfg)
+    pairs = [handshake(pm, dm, room=r, dst_pages=[r]) for r in (1, 2, 3)]
+    p.engine.fail_session(d.engine.session_id)
+    pm._push.purge(dm.status_endpoint)  # no connection to the decode's status port up yet
+    pairs[0][0].send([3], last_chunk=True)
+    for _, recv in pairs:
+        st, took = until_terminal(recv, timeout=5)
+        assert st is KVPoll.Failed and "unreachable" in (recv.failure_reason or ""), recv.failure_reason
+        assert took < 1.5
