@@ -163,7 +163,9 @@ class PrefillQueues:
         req.finished = True
         if self.reqs.get(req.rid) is req:
             del self.reqs[req.rid]
-        if output.http_status is not None:
+        if output.http_status == 400:  # bad input, answered once its room was aborted
+            self.counters.rejected += 1
+        elif output.http_status is not None:
             self.counters.failed += 1
         elif output.finish is not None and output.finish.type == "abort":
             self.counters.aborted += 1

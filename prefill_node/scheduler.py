@@ -124,12 +124,12 @@ class PrefillScheduler(PrefillQueues):
         where = f"rid {msg.rid}" if msg.bootstrap_room is None else f"room {msg.bootstrap_room} (rid {msg.rid})"
         error = self._check_input(msg)
         sender = None
-        if error is None and msg.bootstrap_room is not None:
+        if msg.bootstrap_room is not None:
             try:
                 sender = self.senders(msg.bootstrap_room)
-            except TransferError as exc:
-                error = str(exc)
-        if error is not None:
+            except TransferError as exc:  # the room is another live request's: leave it alone
+                error = error or str(exc)
+        if error is not None and sender is None:
             self.counters.rejected += 1
             out.append(failed(msg.rid, f"{where}: {error}", 400, len(msg.input_ids)))
             return
@@ -138,6 +138,12 @@ class PrefillScheduler(PrefillQueues):
             top_logprobs_num=max(msg.sampling.top_logprobs_num, msg.top_logprobs_num))
         req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), params, sender)
         self.reqs[req.rid] = req
+        if error is not None:
+            # The decode holds pages for this room and waits for its KV: abort the room so it
+            # hears why now (or at its TransferInfo, from the tombstone) instead of at its
+            # timeout. The 400 goes out once the room is terminal, normally this same step.
+            self._drain(req, error, 400, out)
+            return
         (self.waiting if sender is None else self.bootstrap).append(req)
 
     def _check_input(self, msg: GenerateReq) -> str | None:

@@ -408,10 +408,19 @@ def test_bad_input_is_rejected_before_any_pool_is_touched() -> None:
     assert all(o.http_status == 400 for o in out)
     assert "empty prompt" in by["empty"].error and "context length" in by["long"].error  # type: ignore[operator]
     assert "KV pages" in by["big"].error and "router" in by["local"].error  # type: ignore[operator]
-    assert node.stats.memory() == before and not node.senders.by_room
+    assert node.stats.memory() == before and not node.sched.reqs
+    # The decode of each rejected room is told at once (its room aborted with the reason),
+    # instead of holding its pages until the bootstrap timeout.
+    for room, rid in ((1, "empty"), (2, "long"), (3, "big")):
+        s = node.sender(room)
+        assert s.state is KVPoll.Failed and len(s.aborts) == 1 and s.aborts[0] in (by[rid].error or "")
+    assert node.sched.counters.rejected == 4 and node.sched.counters.failed == 0
     node.step(gen("ok", prompt(4), room=5))
     (dup,) = node.step(gen("dup", prompt(4), room=5))
     assert dup.http_status == 400 and "already in flight" in (dup.error or "")
+    assert node.sender(5).aborts == [], "the live request owning the room is left alone"
+    (dup,) = node.step(gen("dup2", [], room=5))
+    assert dup.http_status == 400 and node.sender(5).aborts == []
 
 
 def test_local_request_answers_the_first_token() -> None:
@@ -467,10 +476,11 @@ def test_any_interleaving_releases_everything_exactly_once(events: list, page_si
         if kind == "new":
             room, sent = sent, sent + 1
             node.step(gen(f"r{room}", prompt(a, base=b * 37)[:a], room=room))
-            if room in node.senders.by_room:
+            reply = node.replies.get(f"r{room}")
+            if reply is None:
                 rooms.append(room)
-            else:  # longer than the whole pool: refused at once
-                assert node.replies[f"r{room}"].http_status == 400 and a > 24
+            else:  # longer than the whole pool: refused at once, its room aborted
+                assert reply.http_status == 400 and a > 24 and node.sender(room).aborts
         elif rooms:
             room = rooms[a % len(rooms)]
             s = node.sender(room)

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from tests.unit.test_transfer_fake_flow import (  # noqa: F401  (cluster is a fixture)
+    ADDR,
     CFG,
     Cluster,
     Side,
@@ -245,3 +246,25 @@ def test_write_failure_statuses_reach_the_decode_before_its_socket_is_purged(clu
         st, took = until_terminal(recv, timeout=5)
         assert st is KVPoll.Failed and "unreachable" in (recv.failure_reason or ""), recv.failure_reason
         assert took < 1.5
+
+
+@pytest.mark.parametrize("info_first", [True, False])
+def test_a_room_the_prefill_rejected_fails_on_the_decode_at_once(cluster: Cluster, info_first: bool) -> None:
+    """What the prefill scheduler does with a request it refuses (400): create its sender and abort
+    it. The decode then fails its room at once, whether its TransferInfo came first or comes later
+    (answered from the tombstone), instead of holding the pages until the bootstrap timeout."""
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    recv = dm.create_receiver(4, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    if info_first:
+        recv.init([1, 2], 0)
+        wait_for(lambda: 4 in pm._orphans)
+    sender = pm.create_sender(4)
+    sender.abort("prompt of 9000 tokens exceeds the context length 8192")
+    assert sender.poll() is KVPoll.Failed  # released: the manager keeps only a tombstone
+    if not info_first:
+        recv.init([1, 2], 0)
+    st, took = until_terminal(recv)
+    assert st is KVPoll.Failed and "context length" in (recv.failure_reason or "") and took < 0.5
+    assert pm.num_rooms() == 0
