@@ -205,12 +205,19 @@ class PrefillScheduler(PrefillQueues):
         if adder.closed or not self.waiting:
             return batch
 
+        # Cached prefix lengths, read without touching the cache: most waiting requests are not
+        # admitted this step, and stamping their prefixes every step would distort LRU eviction.
+        # Evictions during this step only shorten prefixes; admission re-checks with the real match.
+        peeked: dict[str, int] = {}
+
         def prefix_len(r: PrefillReq) -> int:
-            return mem.cache.match_prefix(r.input_ids, r.prompt_len - 1).num_tokens
+            if r.rid not in peeked:
+                peeked[r.rid] = mem.cache.peek_prefix_len(r.input_ids, r.prompt_len - 1)
+            return peeked[r.rid]
 
         for req in order_waiting(self.waiting, self.cfg.policy, prefix_len):
             try:
-                n = self._admit(req, adder)
+                n = self._admit(req, adder, prefix_len(req))
             except Exception as exc:  # the adder may be half-updated: stop adding this step
                 self._request_error(req, "admission", exc, out)
                 break
@@ -221,10 +228,14 @@ class PrefillScheduler(PrefillQueues):
                 break
         return batch
 
-    def _admit(self, req: PrefillReq, adder: PrefillAdder) -> int | None:
+    def _admit(self, req: PrefillReq, adder: PrefillAdder, cached_guess: int) -> int | None:
         """Row + cached prefix + pages for the whole prompt, all or nothing; the request leaves
-        ``waiting`` holding them. Tokens to compute this step, or None (does not fit: stop)."""
+        ``waiting`` holding them. Tokens to compute this step, or None (does not fit: stop).
+        ``cached_guess`` (a read-only peek, >= the real match) rules out a request that cannot
+        fit before its prefix is matched and locked, which would mark it recently used."""
         mem = self.memory
+        if not adder.can_add(req.prompt_len, cached_guess):
+            return None
         before = mem.available_pages()
         kv = mem.admit(req.input_ids)  # locks the cached prefix
         if kv is None:

@@ -134,6 +134,23 @@ class RadixCache:
         node, num_tokens, pages = self._walk(list(token_ids[: num_pages * self.page_size]))
         return MatchResult(pages, num_tokens, node)
 
+    def peek_prefix_len(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """``match_prefix(...).num_tokens`` without touching the tree (no LRU stamp, no split):
+        for ordering decisions about requests that may not be admitted this step."""
+        ps = self.page_size
+        limit = len(token_ids) if max_tokens is None else max(0, min(len(token_ids), max_tokens))
+        key, node, pos = list(token_ids[: limit // ps * ps]), self.root, 0
+        while self.enabled and pos < len(key):
+            child = node.children.get(tuple(key[pos : pos + ps]))
+            if child is None:
+                break
+            common = self._common_pages(child.key, key, pos)
+            pos += common * ps
+            if common < len(child.pages):
+                break
+            node = child
+        return pos
+
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Cache ``token_ids[: len(pages) * page_size]`` on ``pages``; the cache takes every page.
 

@@ -105,6 +105,15 @@ class PrefillAdder:
             raise ValueError(f"chunked request with {remaining} tokens left")
         return self._take(remaining, self._slice(remaining))
 
+    def can_add(self, prompt_len: int, cached_len: int) -> bool:
+        """Whether ``add_new`` could accept this request; read-only. A necessary condition only
+        (locking the prefix may still take pages), so a caller can skip matching and locking
+        the cached prefix of a request that cannot run now."""
+        if self.closed or not 0 <= cached_len < prompt_len:
+            return not self.closed
+        need = pages_for(prompt_len, self.page_size) - cached_len // self.page_size
+        return self._slice(prompt_len - cached_len) > 0 and need <= self.rem_pages
+
     def add_new(self, prompt_len: int, cached_len: int, lock_pages: int = 0) -> int | None:
         """Tokens to compute for a new request this step, or None when it does not fit.
 
@@ -132,12 +141,13 @@ def order_waiting(reqs: Sequence[T], policy: Policy, prefix_len: Callable[[T], i
 
     fcfs: arrival order. lpm (longest prefix match): most cached prompt tokens first, ties in
     arrival order, so requests sharing a hot prefix run while it is still cached. ``prefix_len``
-    is called once per request, and only for lpm with a queue no longer than ``LPM_MAX_QUEUE``.
+    is called once per request, and only for lpm with 2 to ``LPM_MAX_QUEUE`` requests; it must
+    not change the cache (``RadixCache.peek_prefix_len``): most of them are not admitted.
     """
-    if policy == "fcfs" or len(reqs) > LPM_MAX_QUEUE:
-        return list(reqs)
-    if policy != "lpm":
+    if policy not in ("fcfs", "lpm"):
         raise ValueError(f"unknown schedule policy {policy!r}")
+    if policy == "fcfs" or len(reqs) < 2 or len(reqs) > LPM_MAX_QUEUE:
+        return list(reqs)
     keyed = [(-prefix_len(r), i, r) for i, r in enumerate(reqs)]
     keyed.sort(key=lambda k: (k[0], k[1]))
     return [r for _, _, r in keyed]

@@ -136,7 +136,10 @@ def test_every_budget_holds_for_any_sequence(
         slices.append((a.add_chunked(chunked_left), chunked_left))
     for length, cached_pages in prompts:
         cached = min(cached_pages * page_size, (length - 1) // page_size * page_size)
+        might = a.can_add(length, cached)
         n = a.add_new(length, cached)
+        assert might or n is None, "can_add said no but add_new accepted"
+        assert not might or n is not None, "without prefix locks, can_add is exact"
         if n is None:
             continue
         slices.append((n, length - cached))
