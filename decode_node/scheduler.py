@@ -288,8 +288,11 @@ class DecodeScheduler:
             fits = self.budget.step_pages(self.running[0].holder()) <= self.memory.available_pages()
         if fits:
             return True
-        if self.transfer:
-            return False  # rooms in transfer hold pages: once they land they can be retracted too
+        if self.transfer or any(r.kv is not None for r in self.draining):
+            # Rooms in transfer hold pages that can be retracted once they land, and aborted rooms
+            # still draining hold pages that come back once the prefill answers: wait for them
+            # rather than fail the request with a false "out of KV memory".
+            return False
         # One request alone outgrows the whole pool (its worst case was capped at admission).
         [r] = self.running
         self._fail(r, 500, f"{r.label()}: out of KV memory: {len(r.prompt) + len(r.out)} tokens exceed this "

@@ -1,0 +1,28 @@
+"""Decode scheduler: pages that are only temporarily unavailable never fail a request, and a
+request refused on arrival tells its prefill at once (fake engine and transfer, as in
+test_decode_scheduler)."""
+from __future__ import annotations
+
+from tests.unit.test_decode_scheduler import Rig, prompt_of, reference
+from transfer.poll import KVPoll
+
+
+def test_pages_held_by_a_draining_room_are_waited_for_not_reported_as_oom() -> None:
+    """a needs pages that b, aborted while its TransferInfo was out, holds until the prefill
+    answers: a waits for them instead of failing with a false out-of-memory 500."""
+    rig = Rig(pages=8, reserved=1, ratio_init=0.0)  # 32 tokens of KV
+    rig.add("a", prompt_of(1, 8), 20, room=1)  # 28 tokens at most: 7 pages
+    rig.add("b", prompt_of(2, 8), 2, room=2)  # 2 pages
+    rig.step(complete=False)
+    assert {r.rid for r in rig.sched.transfer} == {"a", "b"}
+    rig.hub.complete(1)
+    rig.sched.abort("b")  # its pages wait in draining: the prefill may still write them
+    for _ in range(40):
+        rig.step(complete=False)
+    assert not rig.finished("a"), "a must wait for b's pages, not fail"
+    assert rig.sched.draining
+    rig.hub.rx[2].status = KVPoll.Failed  # the prefill answers b's abort: its pages come back
+    rig.run()
+    fin = rig.final("a")
+    assert fin.http_status is None and rig.tokens("a") == reference(prompt_of(1, 8), 20)
+    rig.assert_clean()
