@@ -47,6 +47,10 @@ class ReceiverFactory(Protocol):
         ``TransferError`` when the room cannot be taken (e.g. already in flight here)."""
         ...
 
+    def reject_room(self, room: int, bootstrap_addr: str, reason: str) -> None:
+        """Tell that prefill we refused ``room`` without a receiver; no-op for a room live here."""
+        ...
+
 
 class Engine(Protocol):
     """Forward + sample as plain data (``common.engine.driver.EngineDriver`` fits)."""

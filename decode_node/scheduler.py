@@ -81,14 +81,16 @@ class DecodeScheduler:
             params = msgspec.structs.replace(params, return_logprob=True,
                                              top_logprobs_num=max(params.top_logprobs_num, msg.top_logprobs_num))
         local = msg.bootstrap_room is None
-        addr = None if local else f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+        addr = None
+        if not local and msg.bootstrap_host is not None and msg.bootstrap_port is not None:
+            addr = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
         r = DecodeReq(rid=msg.rid, prompt=list(msg.input_ids), params=params, stream=msg.stream,
                       room=msg.bootstrap_room, bootstrap_addr=addr, arrival=msg.arrival_time or time.time())
         if msg.rid in self.reqs:
-            return self._fail(r, 400, f"request id {msg.rid!r} is already running on this decode node")
+            return self._refuse(r, f"request id {msg.rid!r} is already running on this decode node")
         if self.budget.pages(len(r.prompt) + 1) > self.budget.cfg.total_pages:
-            return self._fail(r, 400, f"{r.label()}: a prompt of {len(r.prompt)} tokens does not fit this decode "
-                                        f"node's KV pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
+            return self._refuse(r, f"{r.label()}: a prompt of {len(r.prompt)} tokens does not fit this decode "
+                                   f"node's KV pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
         if local and r.max_new == 0:
             r.finish = FinishReason(type="length", length=0)
             return self._emit(r)
@@ -96,7 +98,7 @@ class DecodeScheduler:
             r.stage = Stage.RETRACTED
             self.retracted.append(r)
         else:
-            if msg.bootstrap_host is None or msg.bootstrap_port is None:
+            if msg.bootstrap_host is None or msg.bootstrap_port is None:  # no prefill we could tell
                 return self._fail(r, 400, f"{r.label()}: bootstrap_room without bootstrap_host/bootstrap_port")
             try:
                 r.receiver = self.receivers.create_receiver(r.room, r.bootstrap_addr)  # type: ignore[arg-type]
@@ -368,6 +370,18 @@ class DecodeScheduler:
         self.counters["failed"] += 1
         r.finish, r.error, r.http_status = FinishReason(type="abort", message=message), message, status
         self._emit(r)
+
+    def _refuse(self, r: DecodeReq, message: str) -> None:
+        """Reject a request that got no receiver (400) and tell its prefill, whose sender would
+        otherwise wait for our TransferInfo until its bootstrap timeout (and a router waiting
+        for both answers would hold the client's 400 that long). A room that is live here
+        belongs to another request: the transfer layer leaves it alone."""
+        self._fail(r, 400, message)
+        if r.room is not None and r.bootstrap_addr is not None:
+            try:
+                self.receivers.reject_room(r.room, r.bootstrap_addr, message)
+            except Exception:  # telling the prefill is best effort; its timeout still ends the room
+                log.exception("%s: could not tell the prefill it was refused", r.label())
 
     def _drain(self) -> None:
         now = time.monotonic()

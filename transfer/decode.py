@@ -85,9 +85,10 @@ class DecodeKVManager:
         self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
         self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
         self._stop = threading.Event()
-        # Rooms to connect, or (room, bootstrap addr, reason): tell a prefill we could not reach
-        # yet that the room was aborted, so its sender fails now rather than at its timeout.
-        self._todo: queue.Queue[int | tuple[int, str, str] | None] = queue.Queue()
+        # Rooms to connect, or (room, bootstrap addr, reason, only if not live here): tell a
+        # prefill we could not reach yet that the room was aborted or refused, so its sender
+        # fails now rather than at its timeout.
+        self._todo: queue.Queue[int | tuple[int, str, str, bool] | None] = queue.Queue()
         self._ctx = zmq.Context()
         self._push = PushSockets(self._ctx)
         self._pull, port = bind_pull(self._ctx, args.host)
@@ -122,6 +123,17 @@ class DecodeKVManager:
         self._todo.put(room)
         return DecodeKVReceiver(self, room)
 
+    def reject_room(self, room: int, bootstrap_addr: str, reason: str) -> None:
+        """Tell the prefill behind ``bootstrap_addr`` that this decode refused ``room`` (a request
+        turned away before it got a receiver: duplicate rid, prompt too big, ...), so the
+        prefill's sender fails now instead of sitting in Bootstrapping until its timeout.
+        Returns at once (lookup and AbortRoom go through the connect thread, like a late abort).
+        A room that is live here belongs to another request and is left alone."""
+        with self._lock:
+            if room in self._rooms or self._stop.is_set():
+                return
+        self._todo.put((room, bootstrap_addr, reason, True))
+
     def close(self) -> None:
         if self._stop.is_set():
             return
@@ -151,7 +163,9 @@ class DecodeKVManager:
                 log.exception("connect: room %d", item)
                 self._fail(item, f"connecting to the prefill failed: {exc!r}")
 
-    def _late_abort(self, room: int, addr: str, reason: str) -> None:
+    def _late_abort(self, room: int, addr: str, reason: str, only_if_absent: bool) -> None:
+        if only_if_absent and room in self._rooms:
+            return  # a receiver for this room appeared meanwhile: the room is live, not refused
         try:
             peer = self._resolve(addr, room)
         except Exception:
@@ -377,7 +391,7 @@ class DecodeKVManager:
         if r.endpoint is not None:
             self._send_abort(r, reason)
         else:
-            self._todo.put((room, r.bootstrap_addr, reason))
+            self._todo.put((room, r.bootstrap_addr, reason, False))
 
     def _release(self, room: int) -> None:
         with self._lock:

@@ -26,3 +26,31 @@ def test_pages_held_by_a_draining_room_are_waited_for_not_reported_as_oom() -> N
     fin = rig.final("a")
     assert fin.http_status is None and rig.tokens("a") == reference(prompt_of(1, 8), 20)
     rig.assert_clean()
+
+
+def test_requests_refused_without_a_receiver_tell_their_prefill() -> None:
+    rig = Rig(pages=8)
+    rig.add("a", prompt_of(1, 5), 3, room=1)
+    rig.add("a", prompt_of(2, 5), 3, room=5)  # duplicate rid, its own room
+    rig.add("big", list(range(40)), 3, room=2)  # bigger than the pool
+    rig.step(complete=False)
+    (dup,) = rig.outputs.pop("a")  # the live "a" is not streaming: this is the duplicate's answer
+    assert dup.http_status == 400
+    refused = {room: (addr, reason) for room, addr, reason in rig.hub.rejected}
+    assert set(refused) == {5, 2}, "each refused room is reported to its prefill"
+    assert refused[5][0] == "127.0.0.1:8998" and "already running" in refused[5][1]
+    assert "does not fit" in refused[2][1]
+    assert 5 not in rig.hub.rx and 2 not in rig.hub.rx, "no receiver was created for them"
+    rig.run()
+    assert rig.tokens("a") == reference(prompt_of(1, 5), 3)
+    rig.assert_clean()
+
+
+def test_a_room_already_in_flight_here_is_not_reported_as_refused() -> None:
+    rig = Rig()
+    rig.add("a", prompt_of(1, 5), 3, room=1)
+    rig.add("b", prompt_of(2, 5), 3, room=1)  # same room: the receiver factory refuses it
+    rig.step()
+    assert rig.final("b").http_status == 400 and rig.hub.rejected == []
+    rig.run()
+    rig.assert_clean()

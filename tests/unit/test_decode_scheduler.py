@@ -128,12 +128,16 @@ class FakeHub:
         self.engine, self.aux, self.prompts = engine, aux, prompts
         self.rx: dict[int, FakeReceiver] = {}
         self.auto_handshake = True
+        self.rejected: list[tuple[int, str, str]] = []  # reject_room calls: (room, addr, reason)
 
     def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
         if room in self.rx and not self.rx[room].status.terminal:
             raise TransferError("room is already in flight on this decode rank", room)
         self.rx[room] = FakeReceiver(self, room)
         return self.rx[room]
+
+    def reject_room(self, room: int, bootstrap_addr: str, reason: str) -> None:
+        self.rejected.append((room, bootstrap_addr, reason))
 
     def complete(self, room: int, logprob: float = -0.5) -> None:
         r = self.rx[room]

@@ -268,3 +268,30 @@ def test_a_room_the_prefill_rejected_fails_on_the_decode_at_once(cluster: Cluste
     st, took = until_terminal(recv)
     assert st is KVPoll.Failed and "context length" in (recv.failure_reason or "") and took < 0.5
     assert pm.num_rooms() == 0
+
+
+def test_decode_reject_room_fails_the_prefill_sender_now(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    early = pm.create_sender(1)  # the prefill already has the request
+    dm.reject_room(1, ADDR, "request id 'x' is already running on this decode node")
+    st, took = until_terminal(early)
+    assert st is KVPoll.Failed and "already running" in (early.failure_reason or "") and took < 0.5
+    dm.reject_room(2, ADDR, "prompt does not fit")  # the prefill gets the request later
+    wait_for(lambda: 2 in pm._tombstones)
+    late = pm.create_sender(2)
+    assert late.poll() is KVPoll.Failed and "does not fit" in (late.failure_reason or "")
+    assert dm.num_rooms() == 0
+
+
+def test_decode_reject_room_leaves_a_room_live_here_alone(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    sender = pm.create_sender(3)
+    recv = dm.create_receiver(3, ADDR)  # the live request that owns room 3
+    dm.reject_room(3, ADDR, "a duplicate asked for room 3")
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init([1], 0)
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.send([2], last_chunk=True)
+    assert until_terminal(sender)[0] is KVPoll.Success and until_terminal(recv)[0] is KVPoll.Success
