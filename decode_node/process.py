@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import NodeConfig
@@ -30,6 +31,9 @@ from common.server.node_launch import advertise_host, run_scheduler_process
 from transfer.aux import AUX_TOP_K
 from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats
+
+if TYPE_CHECKING:
+    from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +56,7 @@ class DecodeProcess:
     """Everything the scheduler process owns; ``close`` releases it (manager threads, engine, sockets)."""
 
     def __init__(self, cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints) -> None:
-        from common.engine.driver import EngineDriver
         from common.engine.model_runner import ModelRunner
-        from common.engine.sampler import Sampler
         from common.tokenizer import Tokenizer
         from transfer import AuxPool, DecodeKVManager, HttpBootstrapClient, KVArgs, KVManagerConfig, create_data_plane
 
@@ -70,8 +72,23 @@ class DecodeProcess:
                       aux=self.aux.buffers(), aux_top_k=opts.aux_top_k, host=host)
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
                                        device=envs.MOONCAKE_DEVICE.get())
-        self.manager = DecodeKVManager(args, data_plane, HttpBootstrapClient(),
-                                       KVManagerConfig.from_transfer_config(cfg.transfer))
+        try:  # the manager owns the data plane only once it is constructed
+            self.manager = DecodeKVManager(args, data_plane, HttpBootstrapClient(),
+                                           KVManagerConfig.from_transfer_config(cfg.transfer))
+        except BaseException:
+            data_plane.close()
+            raise
+        try:
+            self._build_loop(cfg, opts, endpoints, tokenizer, max_running, rows)
+        except BaseException:  # stop the transfer threads, close the data plane
+            self.manager.close()
+            raise
+
+    def _build_loop(self, cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints, tokenizer: Tokenizer,
+                    max_running: int, rows: int) -> None:
+        from common.engine.driver import EngineDriver
+        from common.engine.sampler import Sampler
+
         memory = self.runner.memory
         bcfg = DecodeBudgetConfig(
             page_size=cfg.cache.page_size, total_pages=memory.allocator.num_total,
@@ -88,7 +105,8 @@ class DecodeProcess:
         self.stats = DecodeStats(self.scheduler, self.aux.num_slots, self.manager.num_rooms)
         self.io = NodeIO(endpoints, self.stats)
         log.info("decode scheduler ready: %d pages x %d tokens, %d running + %d prealloc rows, backend %s, host %s",
-                 bcfg.total_pages, bcfg.page_size, max_running, rows - max_running, cfg.transfer.backend, host)
+                 bcfg.total_pages, bcfg.page_size, max_running, rows - max_running, cfg.transfer.backend,
+                 self.manager.args.host)
 
     def serve(self, stop: threading.Event) -> None:
         sched, io = self.scheduler, self.io

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import NodeConfig
@@ -29,6 +30,9 @@ from transfer.aux import AUX_TOP_K
 from common.sched.prefill_adder import PrefillBudget
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
+
+if TYPE_CHECKING:
+    from common.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +51,7 @@ class PrefillProcess:
     """Everything the scheduler process owns; ``close`` releases it (transfer threads, engine, sockets)."""
 
     def __init__(self, cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, bootstrap_url: str) -> None:
-        from common.engine.driver import EngineDriver
         from common.engine.model_runner import ModelRunner
-        from common.engine.sampler import Sampler
-        from common.sched.stop import StopChecker
         from common.tokenizer import Tokenizer
         from transfer import AuxPool, HttpBootstrapClient, KVArgs, KVManagerConfig, PrefillKVManager, create_data_plane
 
@@ -65,8 +66,23 @@ class PrefillProcess:
         self._aux_layout = aux_layout  # registered memory: keep it alive as long as the manager
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
                                        device=envs.MOONCAKE_DEVICE.get(), transfer_timeout_s=cfg.transfer.write_timeout_s)
-        self.manager = PrefillKVManager(args, data_plane, HttpBootstrapClient(), bootstrap_url,
-                                        KVManagerConfig.from_transfer_config(cfg.transfer))
+        try:  # the manager owns the data plane only once it is constructed
+            self.manager = PrefillKVManager(args, data_plane, HttpBootstrapClient(), bootstrap_url,
+                                            KVManagerConfig.from_transfer_config(cfg.transfer))
+        except BaseException:
+            data_plane.close()
+            raise
+        try:
+            self._build_loop(cfg, opts, endpoints, tokenizer)
+        except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
+            self.manager.close()
+            raise
+
+    def _build_loop(self, cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, tokenizer: Tokenizer) -> None:
+        from common.engine.driver import EngineDriver
+        from common.engine.sampler import Sampler
+        from common.sched.stop import StopChecker
+
         sched_cfg = PrefillSchedConfig(
             budget=PrefillBudget.from_flags(cfg.sched.max_prefill_tokens, cfg.sched.chunked_prefill_size),
             policy=cfg.sched.schedule_policy,

@@ -72,13 +72,17 @@ class NodeIO:
         self._stats = stats
         self._max_batch = max_batch
         self._ctx = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(endpoints.to_scheduler)
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, _SNDHWM)
-        self._push.connect(endpoints.from_scheduler)
+        try:
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self._pull.bind(endpoints.to_scheduler)
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.setsockopt(zmq.SNDHWM, _SNDHWM)
+            self._push.connect(endpoints.from_scheduler)
+        except BaseException:  # e.g. an ipc path that cannot be bound: no socket may outlive this
+            self._ctx.destroy(linger=0)
+            raise
         self._closed = False
         self.dropped_outputs = 0
 

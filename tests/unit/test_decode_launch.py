@@ -48,3 +48,32 @@ def test_advertised_host_is_never_a_wildcard() -> None:
     for wildcard in ("0.0.0.0", "", "::"):
         host = advertise_host(wildcard)
         assert host not in ("0.0.0.0", "", "::") and host.count(".") == 3
+
+
+def test_startup_failure_after_the_manager_closes_it(tiny_qwen3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part built after the transfer manager fails (here the IPC socket cannot bind): the
+    manager's threads stop and the data plane is closed, not leaked."""
+    import threading
+
+    import zmq
+
+    import transfer
+    from common.config import resolve
+    from common.protocol import IpcEndpoints
+    from decode_node.process import DecodeOptions, DecodeProcess
+    from transfer.backends.fake import FakeDataPlane
+
+    closed: list[bool] = []
+
+    class Plane(FakeDataPlane):
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+
+    monkeypatch.setattr(transfer, "create_data_plane", lambda *a, **kw: Plane())
+    cfg, opts = parse(tiny_qwen3, "--disaggregation-transfer-backend", "fake", "--max-total-tokens", "256")
+    bad = IpcEndpoints(to_scheduler="ipc:///nonexistent-dir/pdc-in", from_scheduler="ipc:///nonexistent-dir/pdc-out")
+    with pytest.raises(zmq.ZMQError):
+        DecodeProcess(resolve(cfg), opts, bad)
+    assert closed == [True]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("pdc-")]
