@@ -88,6 +88,7 @@ class PrefillProcess:
             policy=cfg.sched.schedule_policy,
             transfer_timeout_s=cfg.transfer.waiting_timeout_s,
             aux_top_k=opts.aux_top_k,
+            context_len=self.runner.context_length,
         )
         self.scheduler = PrefillScheduler(EngineDriver(self.runner, Sampler()), self.runner.memory,
                                           self.manager.create_sender,

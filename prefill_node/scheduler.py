@@ -73,6 +73,9 @@ class PrefillSchedConfig:
     policy: Policy = "fcfs"
     transfer_timeout_s: float = 60.0  # inflight without a terminal state this long -> abort the room
     aux_top_k: int = 0  # top logprobs carried in the aux record (must match the transfer layout)
+    # The model's context length: a prompt this long leaves no room for a token (the API's rule).
+    # None: only the request row (the context length rounded up to whole pages) bounds it.
+    context_len: int | None = None
 
 
 class PrefillScheduler(PrefillQueues):
@@ -151,6 +154,9 @@ class PrefillScheduler(PrefillQueues):
         n = len(msg.input_ids)
         if n == 0:
             return "empty prompt"
+        ctx = self.cfg.context_len
+        if ctx is not None and n >= ctx:
+            return f"prompt of {n} tokens does not fit the context length {ctx} (at least one token must follow)"
         if n > self.memory.req_to_token.max_context_len:
             return f"prompt of {n} tokens exceeds the context length {self.memory.req_to_token.max_context_len}"
         pages, total = self.memory.pages_for(n), self.memory.allocator.num_total

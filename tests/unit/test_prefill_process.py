@@ -2,6 +2,7 @@
 in-memory bootstrap registry; no network besides loopback ZMQ)."""
 from __future__ import annotations
 
+import pathlib
 import threading
 
 import pytest
@@ -9,7 +10,8 @@ import zmq
 
 import transfer
 from common.config import NodeConfig, resolve
-from common.protocol import IpcEndpoints
+from common.protocol import GenerateReq, IpcEndpoints
+from common.request import SamplingParams
 from prefill_node.launch import build_parser, config_from_args
 from prefill_node.process import PrefillOptions, PrefillProcess
 from tests.unit.test_transfer_fake_flow import MemoryBootstrap
@@ -70,3 +72,22 @@ def test_manager_is_closed_when_a_later_part_cannot_start(tiny_qwen3: str, track
     assert boot.registries[BOOT].layout() is None, "the rank is deregistered"
     assert not [t.name for t in threading.enumerate() if t.name.startswith("pdc-")], "transfer threads stopped"
 
+
+def test_prompts_of_the_context_length_are_refused_before_any_pool(tiny_qwen3: str, tracked: list[TrackedPlane],
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: pathlib.Path) -> None:
+    """The row holds whole pages (48 tokens here) but the model's context is 40: a prompt of 40
+    tokens leaves no room for a token and is refused like the API would."""
+    boot = MemoryBootstrap()
+    monkeypatch.setattr(transfer, "HttpBootstrapClient", lambda: boot)
+    proc = PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), IpcEndpoints.fresh(str(tmp_path)), BOOT)
+    try:
+        sched = proc.scheduler
+        assert sched.memory.req_to_token.max_context_len == 48 and sched.cfg.context_len == 40
+        out = sched.step([GenerateReq(rid=f"r{n}", input_ids=[1] * n, sampling=SamplingParams(max_new_tokens=1))
+                          for n in (39, 40, 48)])
+        status = {o.rid: o.http_status for o in out}
+        assert status == {"r39": None, "r40": 400, "r48": 400}
+        assert "context length 40" in next(o.error for o in out if o.rid == "r40")  # type: ignore[operator]
+    finally:
+        proc.close()
