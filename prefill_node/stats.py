@@ -27,9 +27,12 @@ class PrefillStats:
         self._seen_tokens = done
 
     def _held_pages(self, inflight_only: bool = False) -> int:
+        """Pages the requests own. Their cached prefix pages are the cache's (counted in
+        ``cached_pages``, locked): counting them here too made the parts exceed the total."""
         s = self._s
         reqs = s.inflight if inflight_only else list(s.reqs.values())
-        return sum(len(r.kv.pages) for r in reqs if r.kv is not None)
+        ps = s.memory.page_size
+        return sum(len(r.kv.pages) - r.kv.num_cached // ps for r in reqs if r.kv is not None)
 
     def load(self) -> dict[str, int]:
         s = self._s

@@ -231,6 +231,9 @@ def test_second_request_reuses_the_cached_prefix_and_sends_those_pages_too() -> 
     node.step()
     req = node.sched.inflight[0]
     assert req.kv is not None and req.kv.num_cached == 8
+    mem = node.stats.memory()  # the 2 cached pages are the cache's, not also the request's
+    assert mem["held_pages"] == len(req.kv.pages) - 2 == mem["transfer_pages"]
+    assert mem["free_pages"] + mem["cached_pages"] + mem["held_pages"] == mem["total_pages"]
     assert node.engine.calls[-1] == [(req.kv.row, b[8:], 8, True)]  # only the new tokens run
     s = node.sender(2)
     assert s.pages[:2] == cached_pages and s.pages == req.kv.pages
