@@ -123,7 +123,11 @@ class DecodeProcess:
                 outputs = sched.step()
             except Exception as exc:  # a bug must fail the requests, not hang them or kill the node
                 log.exception("decode step failed; failing every request in flight")
-                outputs = sched.fail_all(f"internal error in the decode scheduler: {type(exc).__name__}: {exc}")
+                try:
+                    outputs = sched.fail_all(f"internal error in the decode scheduler: {type(exc).__name__}: {exc}")
+                except Exception:  # never out of the loop: that would take the node down
+                    log.exception("failing the requests in flight failed too")
+                    outputs = []
             self.stats.throughput.add(sched.counters["generated_tokens"] - before)
             io.send(outputs)
             if time.monotonic() > next_check:

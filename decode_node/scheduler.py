@@ -121,9 +121,14 @@ class DecodeScheduler:
         if r.stage in (Stage.PREALLOC, Stage.TRANSFER):
             self._remove(r)
             assert r.receiver is not None
-            r.receiver.abort(f"{r.label()}: {reason}")
+            # Draining first: whatever abort() does, the room is still polled to its end and
+            # its pages freed once (the transfer layer's own timeouts end it in any case).
             r.stage, r.drain_since = Stage.DRAINING, time.monotonic()
             self.draining.append(r)
+            try:
+                r.receiver.abort(f"{r.label()}: {reason}")
+            except Exception:
+                log.exception("%s: aborting its transfer failed", r.label())
         else:
             self._remove(r)
             self._free(r)

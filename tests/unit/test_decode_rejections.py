@@ -54,3 +54,23 @@ def test_a_room_already_in_flight_here_is_not_reported_as_refused() -> None:
     assert rig.final("b").http_status == 400 and rig.hub.rejected == []
     rig.run()
     rig.assert_clean()
+
+
+def test_an_abort_that_raises_still_answers_and_frees_the_room_once() -> None:
+    rig = Rig()
+    rig.add("x", prompt_of(1, 9), 5, room=1)
+    rig.step(complete=False)
+    rx = rig.hub.rx[1]
+    assert rx.status is KVPoll.Transferring
+
+    def abort(reason: str = "") -> None:
+        rx.abort_pending = reason
+        raise RuntimeError("could not queue AbortRoom")
+    rx.abort = abort  # type: ignore[method-assign]
+    rig.sched.abort("x")  # does not raise
+    rig.step(complete=False)
+    assert rig.final("x").finish.type == "abort"  # type: ignore[union-attr]
+    assert rig.sched.draining, "pages stay held until the prefill answers"
+    rx.status = KVPoll.Failed
+    rig.run()
+    rig.assert_clean()
