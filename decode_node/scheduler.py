@@ -21,6 +21,7 @@
 Aborts (client gone, /abort_request) are answered at once. A room whose TransferInfo is out may
 still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
 terminal state (the transfer layer's fence, bounded by its timeouts), then are freed once.
+The queues and these endings live in ``decode_node.queues``.
 
 Retraction resumes by **recompute**, not host offload: the model is here anyway, no host pool
 must be budgeted, and recomputed KV gives the same greedy tokens (up to near-ties).
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +43,7 @@ from common.protocol import GenerateReq, ReqOutput
 from common.request import FinishReason
 from common.sched.decode_budget import DecodeBudget, NewTokenRatio
 from common.sched.stop import StopChecker
+from decode_node.queues import DecodeQueues
 from decode_node.req import AuxSlots, DecodeReq, Engine, ReceiverFactory, Stage
 from transfer.errors import TransferError
 from transfer.poll import KVPoll
@@ -58,20 +59,11 @@ class DecodeSchedConfig:
     drain_warn_s: float = 30.0
 
 
-class DecodeScheduler:
+class DecodeScheduler(DecodeQueues):
     def __init__(self, engine: Engine, memory: KVMemory, receivers: ReceiverFactory, aux: AuxSlots,
                  stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig) -> None:
-        self.engine, self.memory, self.receivers, self.aux = engine, memory, receivers, aux
-        self.stop, self.budget, self.ratio, self.cfg = stop, budget, ratio, cfg
-        self.reqs: dict[str, DecodeReq] = {}  # every live request by rid (not draining ones)
-        self.prealloc: deque[DecodeReq] = deque()
-        self.transfer: list[DecodeReq] = []
-        self.waiting: deque[DecodeReq] = deque()
-        self.running: list[DecodeReq] = []
-        self.retracted: deque[DecodeReq] = deque()
-        self.draining: list[DecodeReq] = []
-        self._outbox: list[ReqOutput] = []
-        self.counters = {"generated_tokens": 0, "retractions": 0, "finished": 0, "failed": 0, "aborted": 0}
+        super().__init__(memory, receivers, aux, cfg.drain_warn_s)
+        self.engine, self.stop, self.budget, self.ratio, self.cfg = engine, stop, budget, ratio, cfg
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -107,39 +99,6 @@ class DecodeScheduler:
             self.prealloc.append(r)
         self.reqs[r.rid] = r
 
-    def abort(self, rid: str, reason: str = "aborted", http_status: int | None = None) -> None:
-        """Answer at once; free what is ours now, fence what the prefill may still write.
-        With ``http_status`` the answer is an error (e.g. 500 when the step itself failed)."""
-        r = self.reqs.pop(rid, None)
-        if r is None:
-            return  # finished already, or never here
-        self.counters["aborted"] += 1
-        r.finish = FinishReason(type="abort", message=reason)
-        if http_status is not None:
-            r.error, r.http_status = reason, http_status
-        self._emit(r)
-        if r.stage in (Stage.PREALLOC, Stage.TRANSFER):
-            self._remove(r)
-            assert r.receiver is not None
-            # Draining first: whatever abort() does, the room is still polled to its end and
-            # its pages freed once (the transfer layer's own timeouts end it in any case).
-            r.stage, r.drain_since = Stage.DRAINING, time.monotonic()
-            self.draining.append(r)
-            try:
-                r.receiver.abort(f"{r.label()}: {reason}")
-            except Exception:
-                log.exception("%s: aborting its transfer failed", r.label())
-        else:
-            self._remove(r)
-            self._free(r)
-
-    def fail_all(self, reason: str) -> list[ReqOutput]:
-        """After an internal error: answer every live request with a 500 and release what it holds."""
-        for rid in list(self.reqs):
-            self.abort(rid, reason, http_status=500)
-        out, self._outbox = self._outbox, []
-        return out
-
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
@@ -153,15 +112,6 @@ class DecodeScheduler:
         self._decode()
         out, self._outbox = self._outbox, []
         return out
-
-    @property
-    def busy(self) -> bool:
-        """A forward to run: the loop should turn without waiting for input."""
-        return bool(self.running or self.waiting)
-
-    @property
-    def idle(self) -> bool:
-        return not (self.reqs or self.draining)
 
     # ---- prealloc -> transfer -> waiting --------------------------------------------------------
 
@@ -354,68 +304,3 @@ class DecodeScheduler:
         self.running.append(r)
         if r.stream:
             self._emit(r)
-
-    # ---- endings --------------------------------------------------------------------------------
-
-    def _finish(self, r: DecodeReq) -> None:
-        self._free(r)
-        self.reqs.pop(r.rid, None)
-        r.stage = Stage.DONE
-        self.counters["finished"] += 1
-        self._emit(r)
-
-    def _fail(self, r: DecodeReq, status: int, message: str) -> None:
-        """Finish with an error; only for rooms whose receiver is terminal (or never created)."""
-        log.warning("%s", message)
-        self._remove(r)
-        self._free(r)
-        if self.reqs.get(r.rid) is r:  # a rejected duplicate must not drop the live request
-            del self.reqs[r.rid]
-        r.stage = Stage.DONE
-        self.counters["failed"] += 1
-        r.finish, r.error, r.http_status = FinishReason(type="abort", message=message), message, status
-        self._emit(r)
-
-    def _refuse(self, r: DecodeReq, message: str) -> None:
-        """Reject a request that got no receiver (400) and tell its prefill, whose sender would
-        otherwise wait for our TransferInfo until its bootstrap timeout (and a router waiting
-        for both answers would hold the client's 400 that long). A room that is live here
-        belongs to another request: the transfer layer leaves it alone."""
-        self._fail(r, 400, message)
-        if r.room is not None and r.bootstrap_addr is not None:
-            try:
-                self.receivers.reject_room(r.room, r.bootstrap_addr, message)
-            except Exception:  # telling the prefill is best effort; its timeout still ends the room
-                log.exception("%s: could not tell the prefill it was refused", r.label())
-
-    def _drain(self) -> None:
-        now = time.monotonic()
-        for r in list(self.draining):
-            assert r.receiver is not None
-            if r.receiver.poll().terminal:
-                self.draining.remove(r)
-                self._free(r)
-                r.stage = Stage.DONE
-            elif now - r.drain_since > self.cfg.drain_warn_s:
-                log.warning("%s: aborted %.0f s ago, its transfer has not ended yet", r.label(), now - r.drain_since)
-                r.drain_since = now
-
-    def _free(self, r: DecodeReq) -> None:
-        """Give back everything ``r`` holds (each resource once; safe to call again)."""
-        if r.kv is not None:
-            self.memory.release(r.kv, None)  # decode keeps no prefix cache: received KV is freed
-            r.kv = None
-        if r.aux_slot is not None:
-            self.aux.free(r.aux_slot)
-            r.aux_slot = None
-
-    def _remove(self, r: DecodeReq) -> None:
-        """Take ``r`` out of whichever queue holds it."""
-        for q in (self.prealloc, self.transfer, self.waiting, self.running, self.retracted):
-            if r in q:
-                q.remove(r)
-                return
-
-    def _emit(self, r: DecodeReq) -> None:
-        if r.finish is not None or r.stream:  # non-streaming requests: only the final output
-            self._outbox.append(r.take_output())
