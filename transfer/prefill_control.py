@@ -1,0 +1,238 @@
+"""The prefill manager's room table and control plane: what its bootstrap thread does with each
+decode message (KVArgsRegister, TransferInfo, AbortRoom, Ping) and on each timer pass, and the
+room state changes every thread shares (``PrefillKVManager`` in ``transfer.prefill`` builds on
+this with its lifecycle, the sender-facing and the worker-facing calls).
+
+Everything here runs under ``_lock`` where it touches the tables. Answers to a decode go through
+``PushSockets.send``, which never raises, so a state change is never left half done.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from transfer import messages as m
+from transfer import wire
+from transfer.args import KVArgs
+from transfer.config import KVManagerConfig
+from transfer.poll import KVPoll, can_advance
+from transfer.zmq_io import PushSockets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    created: float
+    status: KVPoll = KVPoll.Bootstrapping
+    reason: str | None = None
+    infos: dict[str, m.TransferInfo] = field(default_factory=dict)  # by decode session
+    inflight: int = 0  # chunks a worker is writing right now
+    pages_queued: int = 0
+    last_queued: bool = False
+    failure_sent: bool = False
+
+
+class PrefillControl:
+    _push: PushSockets  # set by the manager once its sockets exist
+    endpoint: str  # our control endpoint, named in every Pong
+
+    def __init__(self, args: KVArgs, config: KVManagerConfig) -> None:
+        self.args, self.config = args, config
+        self.instance_id = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._rooms: dict[int, PrefillRoom] = {}
+        self._orphans: dict[int, tuple[float, dict[str, m.TransferInfo]]] = {}  # infos before their sender
+        self._tombstones: dict[int, tuple[float, str]] = {}  # room -> (expiry, reason)
+        self._peers: dict[str, m.KVArgsRegister] = {}  # decode session -> its buffers
+        self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
+        self._last_heard: dict[str, float] = {}  # decode session -> last message from it
+
+    # --- bootstrap thread ----------------------------------------------------------------------
+    def _handle(self, msg: object) -> None:
+        session = getattr(msg, "session_id", None)
+        if session is not None:
+            self._last_heard[session] = time.monotonic()
+        endpoint = getattr(msg, "status_endpoint", None)
+        bad = None if endpoint is None else wire.bad_endpoint(endpoint)
+        if bad is not None:  # every message carries it; each answer would go there
+            return self._refuse_session(msg, f"unusable status endpoint {endpoint!r}: {bad}")  # type: ignore[arg-type]
+        if isinstance(msg, m.KVArgsRegister):
+            self._on_register(msg)
+        elif isinstance(msg, m.TransferInfo):
+            self._on_info(msg)
+        elif isinstance(msg, m.AbortRoom):
+            self._on_abort(msg)
+        elif isinstance(msg, m.Ping):
+            self._push.send(msg.status_endpoint, m.Pong(seq=msg.seq, endpoint=self.endpoint, instance_id=self.instance_id))
+
+    def _on_register(self, msg: m.KVArgsRegister) -> None:
+        reason = wire.peer_mismatch(self.args, msg)
+        with self._lock:
+            old = self._peers.get(msg.session_id)
+            if old is not None and old.instance_id != msg.instance_id:
+                self._fail_session_locked(msg.session_id, "decode restarted with the same session id")
+            if reason is not None:
+                self._peers.pop(msg.session_id, None)
+                self._rejected[msg.session_id] = reason
+            else:
+                self._peers[msg.session_id] = msg
+                self._rejected.pop(msg.session_id, None)
+        if reason is not None:
+            log.error("rejecting KV args from decode %s: %s", msg.session_id, reason)
+        else:
+            log.info("decode %s registered (rank %d, %d KV buffers)", msg.session_id, msg.tp_rank, len(msg.kv_ptrs))
+
+    def _refuse_session(self, msg: m.ToPrefill, reason: str) -> None:
+        """A decode we cannot answer: refuse its session like a layout we cannot serve.
+
+        Its rooms here fail (the scheduler releases them), the room a TransferInfo/AbortRoom
+        names is failed or tombstoned, and none of its infos is kept, so nothing ever tries to
+        reach that address again. It recovers by registering with a usable endpoint.
+        """
+        session = msg.session_id
+        now = time.monotonic()
+        log.error("refusing decode %s: %s", session, reason)
+        with self._lock:
+            self._rejected[session] = reason
+            self._peers.pop(session, None)
+            self._fail_session_locked(session, f"decode {session} refused: {reason}")
+            for room, (_, infos) in list(self._orphans.items()):
+                if infos.pop(session, None) is not None:
+                    self._tombstones[room] = (now + self.config.bootstrap_timeout_s, reason)
+                    if not infos:
+                        del self._orphans[room]
+            room = getattr(msg, "room", None)
+            if room is not None:
+                r = self._rooms.get(room)
+                if r is not None:
+                    self._fail_locked(r, f"decode {session} refused: {reason}")
+                else:
+                    self._tombstones[room] = (now + self.config.bootstrap_timeout_s, reason)
+
+    def _on_info(self, info: m.TransferInfo) -> None:
+        with self._lock:
+            peer = self._peers.get(info.session_id)
+            unregistered = peer is None or peer.instance_id != info.instance_id
+            if unregistered:
+                rejected = self._rejected.get(info.session_id)
+                reason = f"prefill refused this decode's KV args: {rejected}" if rejected else "prefill has no KV args for this decode session"
+                unregistered = rejected is None  # registering again would not help a rejected layout
+            else:
+                reason = wire.bad_destination(peer, info)
+            r = self._rooms.get(info.room)
+            if r is None:
+                tomb = self._tombstones.get(info.room)
+                if reason is None and tomb is None:  # the request has not reached this rank yet
+                    _, infos = self._orphans.setdefault(info.room, (time.monotonic(), {}))
+                    infos[info.session_id] = info
+                    return
+                if tomb is None:  # remember the failure for a sender created later
+                    self._tombstones[info.room] = (time.monotonic() + self.config.bootstrap_timeout_s, reason or "")
+                reason = reason or tomb[1]
+            elif unregistered:
+                # Nothing can be written for this session; the answer tells the decode to register again.
+                self._fail_locked(r, reason or "")
+            else:
+                already_told = r.status is KVPoll.Failed and r.failure_sent
+                r.infos[info.session_id] = info  # a failure is then reported to this decode too
+                if reason is None:
+                    self._add_info_locked(r, info)
+                else:
+                    self._fail_locked(r, reason)
+                if not already_told:
+                    return
+                reason = r.reason
+        # Nothing was or will be written for this room: answer the decode directly.
+        self._push.send(info.status_endpoint, m.TransferStatus(
+            room=info.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=reason,
+            unregistered=unregistered))
+
+    def _on_abort(self, msg: m.AbortRoom) -> None:
+        reason = f"aborted by decode: {msg.reason}"
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            if r is not None:
+                if r.status is KVPoll.Success:
+                    return  # the decode has (or will get) our Success, which also ends its abort
+                already_told = r.status is KVPoll.Failed and r.failure_sent
+                if msg.session_id not in r.infos:
+                    # The decode aborted before its TransferInfo arrived: still owe it an answer.
+                    r.infos[msg.session_id] = wire.stub_info(msg)
+                self._fail_locked(r, reason)
+                if not already_told:
+                    return
+                reason = r.reason or reason
+            else:
+                self._orphans.pop(msg.room, None)
+                self._tombstones[msg.room] = (time.monotonic() + self.config.bootstrap_timeout_s, reason)
+        self._push.send(msg.status_endpoint, m.TransferStatus(
+            room=msg.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=reason))
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        timeout = self.config.bootstrap_timeout_s
+        expired: list[tuple[int, m.TransferInfo]] = []
+        with self._lock:
+            for r in list(self._rooms.values()):
+                if r.status is KVPoll.Bootstrapping and now - r.created > timeout:
+                    self._fail_locked(r, f"no TransferInfo from the decode within {timeout:g}s (bootstrap timeout)")
+            for room, (since, infos) in list(self._orphans.items()):
+                if now - since > timeout:
+                    del self._orphans[room]
+                    expired.extend((room, i) for i in infos.values())
+            for room, (expiry, _) in list(self._tombstones.items()):
+                if now > expiry:
+                    del self._tombstones[room]
+            idle = self._idle_peers_locked(now)
+        for peer in idle:
+            log.info("forgetting decode %s: silent for %gs", peer.session_id, self.config.idle_peer_purge_s)
+            self._push.purge(peer.status_endpoint)
+        for room, info in expired:
+            self._push.send(info.status_endpoint, m.TransferStatus(
+                room=room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank,
+                reason=f"prefill rank never received request for room {room} within {timeout:g}s"))
+
+    def _idle_peers_locked(self, now: float) -> list[m.KVArgsRegister]:
+        """Drop decodes gone silent with no room bound to them (restarted or scaled away)."""
+        limit = self.config.idle_peer_purge_s
+        busy = {s for r in self._rooms.values() if not r.status.terminal for s in r.infos}
+        idle = [p for s, p in self._peers.items() if s not in busy and now - self._last_heard.get(s, now) > limit]
+        for p in idle:
+            del self._peers[p.session_id]
+            self._last_heard.pop(p.session_id, None)
+        for s in [s for s in self._last_heard if s not in self._peers and now - self._last_heard[s] > limit]:
+            del self._last_heard[s]
+            self._rejected.pop(s, None)
+        return idle
+
+    # --- room state (callers hold self._lock) --------------------------------------------------
+    def _add_info_locked(self, r: PrefillRoom, info: m.TransferInfo) -> None:
+        r.infos[info.session_id] = info
+        if len(r.infos) >= info.required_dst_info_num and can_advance(r.status, KVPoll.WaitingForInput):
+            r.status = KVPoll.WaitingForInput
+
+    def _fail_locked(self, r: PrefillRoom, reason: str) -> None:
+        if not can_advance(r.status, KVPoll.Failed):
+            return
+        r.status, r.reason = KVPoll.Failed, reason
+        log.warning("room %d failed: %s", r.room, reason)
+        self._notify_failure_locked(r)
+
+    def _notify_failure_locked(self, r: PrefillRoom) -> None:
+        """Tell each decode of a failed room, once, and only when no write to it is in flight."""
+        if r.status is not KVPoll.Failed or r.inflight > 0 or r.failure_sent:
+            return
+        r.failure_sent = True
+        for info in r.infos.values():
+            self._push.send(info.status_endpoint, m.TransferStatus(
+                room=r.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=r.reason))
+
+    def _fail_session_locked(self, session: str, reason: str) -> None:
+        for r in self._rooms.values():
+            if session in r.infos:
+                self._fail_locked(r, reason)
