@@ -2,8 +2,8 @@
 
 - a tiny decode pool forces retraction: every request still ends with the HF reference tokens;
 - a client disconnecting mid-stream, /abort_request, a room the prefill never receives (its
-  timeout), a prefill killed mid-request (the heartbeat): each answered or cut cleanly, and the
-  requests beside it go on;
+  timeout), a prompt the decode refuses (the prefill is told at once), a prefill killed
+  mid-request (the heartbeat): each answered or cut cleanly, and the requests beside it go on;
 - the fake backend: the same flow completes (contents meaningless).
 
 After every scenario both nodes are back at their idle memory baseline and serve the next request.
@@ -123,6 +123,20 @@ def test_room_the_prefill_never_receives_fails_within_its_timeout(cluster: Clust
     assert d.status_code == 503, d.text
     assert str(body["bootstrap_room"]) in d.text and ("timeout" in d.text or "never received" in d.text), d.text
     assert elapsed < 5 + 10, elapsed  # PDC_BOOTSTRAP_TIMEOUT_S plus slack, not minutes
+    assert_serving(cluster)
+
+
+def test_a_prompt_the_decode_refuses_ends_on_the_prefill_at_once(cluster: Cluster) -> None:
+    """The decode's pool (256 tokens) cannot hold this prompt: it answers 400 without creating a
+    receiver, and tells the prefill, so the prefill's answer (which a router waits for too)
+    comes at once instead of after its bootstrap timeout (5 s here, 30 s by default)."""
+    prompt = [(7 * i) % 500 + 1 for i in range(300)]
+    t0 = time.monotonic()
+    p, d = cluster.pd("/generate", gen_body(prompt, 4))
+    elapsed = time.monotonic() - t0
+    assert d.status_code == 400 and "does not fit" in d.text, d.text
+    assert "aborted by decode" in p.text and "does not fit" in p.text, p.text
+    assert elapsed < 3.0, f"the prefill answered after {elapsed:.1f}s"
     assert_serving(cluster)
 
 
