@@ -276,7 +276,12 @@ class DecodeScheduler(DecodeQueues):
         batch = list(self.running)
         items = [DecodeItem(r.kv.row, r.out[-1], r.kv.kv_len) for r in batch if r.kv is not None]
         specs = [SampleSpec(r.params, r.out, r.prompt) for r in batch]
+        t0 = time.perf_counter()
         tokens = self.engine.run_decode(items, specs)
+        # Step counters split decode time into model time and everything around it (bench, /metrics).
+        self.counters["decode_forward_seconds"] += time.perf_counter() - t0
+        self.counters["decode_steps"] += 1
+        self.counters["decode_batch_reqs"] += len(items)
         self.ratio.on_decode_step()
         for r, tok in zip(batch, tokens):
             assert r.kv is not None

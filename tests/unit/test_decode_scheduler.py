@@ -248,6 +248,10 @@ def test_concurrent_mixed_rooms_batch_together_and_match_reference() -> None:
         if stream and n > 2:
             assert len(rig.outputs[rid]) > 1  # streamed token by token
     assert max(rig.engine.decode_batches) > 4  # continuous batching, not one at a time
+    c = rig.sched.counters  # step counters agree with what the engine saw
+    assert c["decode_steps"] == len(rig.engine.decode_batches)
+    assert c["decode_batch_reqs"] == sum(rig.engine.decode_batches)
+    assert c["decode_forward_seconds"] > 0
     rig.assert_clean()
 
 
