@@ -1,7 +1,7 @@
 """A single-process generate loop over the real engine parts (no disaggregation).
 
-It is the engine's own end-to-end check (tests compare it with HF transformers) and the
-baseline the cluster is measured against. Lifecycle of a request::
+It is the engine's own end-to-end check: tests compare it with HF transformers, with no
+scheduler or transfer in the way. Lifecycle of a request::
 
     pending --admit (row + prefix match + prompt pages)--> prefilling --last chunk--> decoding
         --stop rule--> finished (full pages into the prefix cache, rest freed)
