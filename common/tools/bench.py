@@ -1,24 +1,30 @@
-"""``pdcluster bench``: a serving benchmark for a prefill/decode pair (DESIGN §10), after SGLang's
-``bench_serving``. Until the router exists the bench fronts the pair itself, as sglang-router does:
-each request goes to the prefill and the decode node at once with one random bootstrap room.
+"""``pdcluster bench``: a serving benchmark for the cluster (DESIGN §10), after SGLang's
+``bench_serving``. It drives a router by default, so the numbers are what clients see.
 
 Targets::
 
-    --prefill URL --decode URL --bootstrap-port B         a pair that is already running
-    --launch --model-path DIR [--transfer-backend ...]    start a pair here, stopped (by PID) at the end
+    --url URL                                             a running router (ours lists its nodes in
+                                                          /workers, which the leak check reads)
+    --prefill URL --decode URL --bootstrap-port B         one running pair with no router: the bench
+                                                          sends each request to both nodes at once with
+                                                          a random room, as a router does (the baseline
+                                                          for a router's added latency)
+    --launch --model-path DIR [--router ours|sglang|none] [--num-prefill N --num-decode M]
+                                                          start nodes + router here, stopped (by PID)
     --make-tiny-model                                     build a tiny random model first (implies --launch)
 
 Run::
 
     target healthy -> /server_info (context length; vocab from the model's config.json)
-      -> warm-up request(s), not counted -> both nodes idle -> /debug/memory + /metrics "before"
+      -> warm-up request(s), not counted -> every node idle -> /debug/memory + /metrics "before"
       -> the workload: Poisson arrivals (--request-rate, inf = all at once), --max-concurrency cap,
          random lengths (--input-len, --output-len, --range-ratio), token-id prompts, ignore_eos
-      -> wait (bounded) until both nodes are idle -> /debug/memory + /metrics "after"
+      -> wait (bounded) until every node is idle -> /debug/memory + /metrics "after"
       -> report: counts and failure reasons, throughput, TTFT / ITL / TPOT / E2E, goodput,
-         leak check (after vs before), scheduler counter deltas; --json PATH writes it all
+         leak check (after vs before), scheduler counter deltas, CPU seconds per process;
+         --json PATH writes it all
 
-Exit status: 0 when every request completed and both nodes came back idle and clean, 1 when not,
+Exit status: 0 when every request completed and every node came back idle and clean, 1 when not,
 2 for bad arguments or a target that did not start.
 """
 from __future__ import annotations
@@ -41,9 +47,9 @@ from urllib.parse import urlparse
 import aiohttp
 
 from common.tools import bench_report as report
-from common.tools.bench_client import RequestResult, Target, send_pd
+from common.tools.bench_client import RequestResult, Target, send
 from common.tools.bench_workload import BenchRequest, make_workload
-from common.tools.pair import LaunchedPair, get_json
+from common.tools.local_cluster import ROUTERS, LocalCluster, get_json
 
 WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 32, 4
 IDLE_POLL_S = 0.1
@@ -53,11 +59,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pdcluster bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     t = ap.add_argument_group("target")
-    t.add_argument("--prefill", help="prefill node base URL (running pair)")
+    t.add_argument("--url", help="a running router's base URL")
+    t.add_argument("--prefill", help="prefill node base URL (running pair, no router)")
     t.add_argument("--decode", help="decode node base URL (running pair)")
     t.add_argument("--bootstrap-host", help="prefill bootstrap host (default: the --prefill host)")
     t.add_argument("--bootstrap-port", type=int, help="prefill bootstrap port (running pair)")
-    t.add_argument("--launch", action="store_true", help="start a prefill + decode pair on this machine")
+    t.add_argument("--launch", action="store_true", help="start nodes and a router on this machine")
+    t.add_argument("--router", default="ours", choices=ROUTERS,
+                   help="--launch: the router in front (sglang: sglang-router from .venv-router; none: the bench "
+                        "fronts one pair itself)")
+    t.add_argument("--router-args", default="", help="extra router flags, one shell-quoted string")
+    t.add_argument("--num-prefill", type=int, default=1, help="--launch: prefill nodes")
+    t.add_argument("--num-decode", type=int, default=1, help="--launch: decode nodes")
     t.add_argument("--model-path", help="HF checkpoint directory (--launch; with --make-tiny-model: where to build)")
     t.add_argument("--make-tiny-model", action="store_true", help="build a tiny random model first (implies --launch)")
     t.add_argument("--tiny-arch", default="qwen3", choices=("qwen3", "llama", "qwen2"))
@@ -65,7 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--page-size", type=int, default=16)
     t.add_argument("--prefill-args", default="", help="extra prefill node flags, one shell-quoted string")
     t.add_argument("--decode-args", default="", help="extra decode node flags, one shell-quoted string")
-    t.add_argument("--startup-timeout", type=float, default=180.0, help="seconds for a launched pair to be healthy")
+    t.add_argument("--startup-timeout", type=float, default=180.0, help="seconds for a launched cluster to be ready")
     w = ap.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=64)
     w.add_argument("--input-len", type=int, default=512, help="longest prompt (tokens)")
@@ -85,7 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (both answers)")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole workload")
     r.add_argument("--idle-timeout", type=float, default=60.0,
-                   help="seconds to wait for both nodes to be idle after the run (covers a bootstrap timeout)")
+                   help="seconds to wait for every node to be idle after the run (covers a bootstrap timeout)")
     return ap.parse_args(argv)
 
 
@@ -93,13 +106,21 @@ def check_args(a: argparse.Namespace) -> str | None:
     """The first problem with the arguments, or None."""
     if a.make_tiny_model:
         a.launch = True
+    pair = a.prefill or a.decode or a.bootstrap_port is not None
     if a.launch:
-        if a.prefill or a.decode or a.bootstrap_port is not None:
-            return "--launch starts its own pair: drop --prefill / --decode / --bootstrap-port"
+        if pair or a.url:
+            return "--launch starts its own cluster: drop --url / --prefill / --decode / --bootstrap-port"
         if not a.model_path and not a.make_tiny_model:
             return "--launch needs --model-path (or --make-tiny-model)"
+        if a.num_prefill < 1 or a.num_decode < 1:
+            return "--num-prefill and --num-decode must be >= 1"
+        if a.router == "none" and (a.num_prefill, a.num_decode) != (1, 1):
+            return "--router none fronts one pair: --num-prefill 1 --num-decode 1"
+    elif a.url:
+        if pair:
+            return "give --url (a router) or --prefill/--decode/--bootstrap-port (a pair), not both"
     elif not (a.prefill and a.decode and a.bootstrap_port is not None):
-        return "give --prefill URL --decode URL --bootstrap-port B, or --launch"
+        return "give --url URL (a router), --prefill URL --decode URL --bootstrap-port B (a pair), or --launch"
     if a.max_concurrency is not None and a.max_concurrency < 1:
         return "--max-concurrency must be >= 1"
     if a.warmup_requests < 0 or a.num_prompts < 1:
@@ -148,9 +169,9 @@ async def run_requests(target: Target, reqs: list[BenchRequest], max_concurrency
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is None:
-                return await send_pd(session, target, req, t0, request_timeout_s)
+                return await send(session, target, req, t0, request_timeout_s)
             async with sem:
-                return await send_pd(session, target, req, t0, request_timeout_s)
+                return await send(session, target, req, t0, request_timeout_s)
 
         tasks = [asyncio.create_task(one(r)) for r in reqs]
         _, pending = await asyncio.wait(tasks, timeout=deadline_s)
@@ -190,24 +211,24 @@ def wait_idle(url: str, timeout_s: float) -> tuple[dict, list[str]]:
         time.sleep(IDLE_POLL_S)
 
 
-def snapshot(target: Target, idle_timeout_s: float) -> dict:
-    """Both nodes' memory (after waiting for idle) and scheduler counters."""
+def snapshot(nodes: dict[str, str], idle_timeout_s: float) -> dict:
+    """Each node's memory (after waiting for idle) and scheduler counters, by node name."""
     out: dict = {}
-    for role, url in (("prefill", target.prefill), ("decode", target.decode)):
+    for name, url in nodes.items():
         try:
             mem, problems = wait_idle(url, idle_timeout_s)
             counters = report.scheduler_counters(get_text(url + "/metrics"))
         except (OSError, ValueError) as exc:
             mem, problems, counters = {}, [f"could not read {url}: {type(exc).__name__}: {exc}"], {}
-        out[role] = {"memory": mem, "idle_problems": problems, "counters": counters}
+        out[name] = {"url": url, "memory": mem, "idle_problems": problems, "counters": counters}
     return out
 
 
 def compare(before: dict, after: dict) -> dict:
     out = {}
-    for role in ("prefill", "decode"):
-        b, a = before[role], after[role]
-        out[role] = {
+    for name in before:
+        b, a = before[name], after[name]
+        out[name] = {
             "leak_problems": a["idle_problems"] + [p for p in report.leak_check(b["memory"], a["memory"])
                                                    if p not in a["idle_problems"]],
             "memory_changed": {k: list(v) for k, v in report.memory_diff(b["memory"], a["memory"]).items()},
@@ -217,11 +238,12 @@ def compare(before: dict, after: dict) -> dict:
 
 
 def format_nodes(cmp: dict) -> str:
+    if not cmp:
+        return "leak check: no node known (the router lists none in /workers)"
     lines = []
-    for role in ("prefill", "decode"):
-        c = cmp[role]
+    for name, c in cmp.items():
         verdict = "clean" if not c["leak_problems"] else "PROBLEMS: " + "; ".join(c["leak_problems"])
-        lines.append(f"leak check {role:<8}{verdict}")
+        lines.append(f"leak check {name:<9} {verdict}")
         if c["memory_changed"]:
             lines.append("  memory changed: " + ", ".join(f"{k} {b} -> {a}" for k, (b, a) in c["memory_changed"].items()))
         if c["counter_deltas"]:
@@ -233,22 +255,38 @@ def format_nodes(cmp: dict) -> str:
     return "\n".join(lines)
 
 
+def router_nodes(url: str) -> dict[str, str]:
+    """The nodes behind a router, named by role and order, from our router's ``/workers``; empty
+    for a router without it (the leak check then covers no node, and says so)."""
+    try:
+        workers = get_json(url + "/workers")["workers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    out: dict[str, str] = {}
+    for role in ("prefill", "decode"):
+        urls = sorted(w["url"] for w in workers if w.get("role") == role)
+        out.update({f"{role}{i}": u for i, u in enumerate(urls)})
+    return out
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 
-def bench(a: argparse.Namespace, target: Target, pair: LaunchedPair | None = None) -> int:
+def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster: LocalCluster | None = None) -> int:
+    """Run the workload against ``target``; ``nodes`` (name -> URL) get the leak check."""
+    # A node's own /server_info when one is known: not every router passes it through.
+    info_url = next(iter(nodes.values()), None) or target.router or target.decode
     try:
-        info = get_json(target.decode + "/server_info")
-        prefill_info = get_json(target.prefill + "/server_info")
+        info = get_json(f"{info_url}/server_info")
     except (OSError, ValueError) as exc:
-        print(f"pdcluster bench: cannot read /server_info of the pair: {exc}", file=sys.stderr)
+        print(f"pdcluster bench: cannot read {info_url}/server_info: {exc}", file=sys.stderr)
         return 2
     ctx = int(info.get("context_length") or 0)
     if ctx and a.input_len + a.output_len > ctx:
         print(f"pdcluster bench: --input-len + --output-len = {a.input_len + a.output_len} exceeds the "
               f"context length {ctx}", file=sys.stderr)
         return 2
-    vocab = vocab_size(a, prefill_info)
+    vocab = vocab_size(a, info)
     if vocab is None:
         print("pdcluster bench: cannot read the model's vocab size; pass --vocab-size", file=sys.stderr)
         return 2
@@ -259,28 +297,28 @@ def bench(a: argparse.Namespace, target: Target, pair: LaunchedPair | None = Non
         bad = [r.error for r in res if not r.ok]
         print(f"warm-up: {len(res) - len(bad)}/{len(res)} ok" + (f" (first failure: {bad[0]})" if bad else ""),
               flush=True)
-    before = snapshot(target, a.idle_timeout)
+    before = snapshot(nodes, a.idle_timeout)
     reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed)
     load_before = os.getloadavg()
     print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
           f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
           f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
-    cpu_before, client_before = (pair.cpu_seconds() if pair else None), time.process_time()
+    cpu_before, client_before = (cluster.cpu_seconds() if cluster else None), time.process_time()
     results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout))
-    cpu = cpu_used(cpu_before, pair.cpu_seconds() if pair else None, time.process_time() - client_before)
+    cpu = cpu_used(cpu_before, cluster.cpu_seconds() if cluster else None, time.process_time() - client_before)
     load_after = os.getloadavg()
     summary = report.summarize(results, duration, a.slo_ttft_ms, a.slo_tpot_ms)
-    after = snapshot(target, a.idle_timeout)
-    nodes = compare(before, after)
-    leak_clean = all(not nodes[r]["leak_problems"] for r in nodes)
+    after = snapshot(nodes, a.idle_timeout)
+    cmp = compare(before, after)
+    leak_clean = all(not c["leak_problems"] for c in cmp.values())
     print(report.format_report(summary))
-    print(format_nodes(nodes))
+    print(format_nodes(cmp))
     print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
     if a.json_path:
         doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
                "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
-               "nodes": nodes, "before": before, "after": after, "cpu_seconds": cpu,
+               "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
                "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
                "requests": [asdict(r) for r in results]}
         with open(a.json_path, "w") as f:
@@ -289,15 +327,16 @@ def bench(a: argparse.Namespace, target: Target, pair: LaunchedPair | None = Non
 
 
 def cpu_used(before: dict[str, float] | None, after: dict[str, float] | None, client_s: float) -> dict[str, float]:
-    """CPU seconds the run cost each launched node (process group) and this client process. On a
-    shared CPU box this, not wall time, says where the work went."""
+    """CPU seconds the run cost each launched process (a node's API process and scheduler group,
+    the router) and this client process. On a shared CPU box this, not wall time, says where the
+    work went."""
     out = {k: round(after[k] - before.get(k, 0.0), 3) for k in after} if before and after else {}
     out["bench_client"] = round(client_s, 3)
     return out
 
 
 def _sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally that stops a launched pair
+    raise SystemExit(128 + signum)  # unwinds through the finally that stops a launched cluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,25 +345,35 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"pdcluster bench: {problem}", file=sys.stderr)
         return 2
+    if a.url:
+        url = a.url.rstrip("/")
+        return bench(a, Target(router=url), router_nodes(url))
     if not a.launch:
         host = a.bootstrap_host or urlparse(a.prefill).hostname or "127.0.0.1"
-        return bench(a, Target(a.prefill.rstrip("/"), a.decode.rstrip("/"), host, a.bootstrap_port))
+        target = Target(prefill=a.prefill.rstrip("/"), decode=a.decode.rstrip("/"), bootstrap_host=host,
+                        bootstrap_port=a.bootstrap_port)
+        return bench(a, target, {"prefill0": target.prefill, "decode0": target.decode})  # type: ignore[dict-item]
     model = tiny_model(a) if a.make_tiny_model else a.model_path
-    pair = LaunchedPair(logdir=tempfile.mkdtemp(prefix="pdc-bench-"))
+    cluster = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-bench-"))
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         try:
-            target = pair.start(model, a.transfer_backend, a.page_size, shlex.split(a.prefill_args),
-                                shlex.split(a.decode_args), a.startup_timeout)
+            url = cluster.start(model, backend=a.transfer_backend, page_size=a.page_size, num_prefill=a.num_prefill,
+                                num_decode=a.num_decode, prefill_args=shlex.split(a.prefill_args),
+                                decode_args=shlex.split(a.decode_args), router=a.router,
+                                router_args=shlex.split(a.router_args), startup_timeout_s=a.startup_timeout)
         except (RuntimeError, TimeoutError, OSError) as exc:
-            print(f"pdcluster bench: the pair did not start: {exc}\n{pair.log_tails()}", file=sys.stderr)
+            print(f"pdcluster bench: the cluster did not start: {exc}\n{cluster.log_tails()}", file=sys.stderr)
             return 2
-        print(f"launched prefill {target.prefill} (bootstrap port {target.bootstrap_port}), decode {target.decode}, "
-              f"transfer backend {a.transfer_backend}, model {model}; node pids "
-              f"{' '.join(str(p.pid) for p in pair.procs)}; logs in {pair.logdir}", flush=True)
-        return bench(a, target, pair)
+        p, d = cluster.prefills[0], cluster.decodes[0]
+        target = Target(router=url) if url else Target(prefill=p.url, decode=d.url, bootstrap_host="127.0.0.1",
+                                                       bootstrap_port=p.bootstrap_port)
+        print(f"launched {', '.join(f'{n.name} {n.url}' for n in cluster.nodes)}; router {a.router}"
+              f"{' ' + url if url else ''}; transfer backend {a.transfer_backend}, model {model}; pids "
+              f"{' '.join(str(proc.pid) for proc in cluster.procs.values())}; logs in {cluster.logdir}", flush=True)
+        return bench(a, target, {n.name: n.url for n in cluster.nodes}, cluster)
     finally:
-        pair.stop()
+        cluster.stop()
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -1,21 +1,28 @@
-"""One benchmark request, sent the way ``sglang-router`` sends it, timed on the decode node's stream.
+"""One benchmark request, timed on the stream that reaches the client.
 
-    body = {input_ids, sampling_params{max_new_tokens, ignore_eos, temperature 0}, stream: true,
-            bootstrap_host, bootstrap_port, bootstrap_room}      one random 63-bit room per request
+Through a router (the default: it picks the nodes and mints the room)::
+
+    POST router /generate   {input_ids, sampling_params{max_new_tokens, ignore_eos, temperature 0},
+                             stream: true}  -> SSE: cumulative ``output_ids`` per chunk, ``[DONE]``
+
+Or with no router, the bench fronts one pair itself the way ``sglang-router`` does — the baseline
+a router's added latency is measured against::
+
+    body + {bootstrap_host, bootstrap_port, bootstrap_room}   one random 63-bit room per request
     POST prefill /generate  ─┐ at once; the prefill answers once its KV transfer is done
-    POST decode  /generate  ─┘ SSE: cumulative ``output_ids`` per chunk, then ``data: [DONE]``
+    POST decode  /generate  ─┘ SSE as above
 
 Times are taken when a chunk's bytes arrive (``time.perf_counter``), measured from the moment the
 request is sent (after any concurrency slot was acquired), as SGLang's bench_serving does:
 
     TTFT   first chunk that carries a token
     ITL    gap between token-carrying chunks; a chunk with k new tokens counts k gaps of gap/k
-    E2E    until the decode stream ends; TPOT = (E2E - TTFT) / (tokens - 1)
+    E2E    until the stream ends; TPOT = (E2E - TTFT) / (tokens - 1)
 
 A request never raises: every failure (HTTP status, SSE error chunk, a stream that ends early,
-a connection error, the per-request timeout) becomes ``ok=False`` with a one-line reason. The
-request waits for both answers, as the router does; the timeout bounds the pair. When the decode
-side fails first, its reason is the one reported and the prefill answer is not awaited.
+a connection error, the per-request timeout) becomes ``ok=False`` with a one-line reason. Without
+a router the request waits for both answers, as a router does; the timeout bounds the pair. When
+the decode side fails first, its reason is the one reported and the prefill answer is not awaited.
 """
 from __future__ import annotations
 
@@ -34,10 +41,14 @@ _ROOMS = random.SystemRandom()  # rooms must not repeat across runs that share a
 
 @dataclass(frozen=True)
 class Target:
-    prefill: str  # base URLs, no trailing slash
-    decode: str
-    bootstrap_host: str
-    bootstrap_port: int
+    """Where requests go: a router (``router`` set), or one pair the bench fronts itself (the
+    other four fields). Base URLs, no trailing slash."""
+
+    router: str | None = None
+    prefill: str | None = None
+    decode: str | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
 
 
 @dataclass
@@ -79,7 +90,7 @@ class StreamTimer:
 
     def on_event(self, now: float, event: dict) -> None:
         if "error" in event:
-            raise RequestFailed(f"decode stream error: {_message(event)}")
+            raise RequestFailed(f"stream error: {_message(event)}")
         ids = event.get("output_ids")
         meta = event.get("meta_info") or {}
         finish = meta.get("finish_reason") if isinstance(meta, dict) else None
@@ -110,33 +121,35 @@ def sse_events(buf: bytearray) -> list[bytes]:
     return out
 
 
-def request_body(req: BenchRequest, target: Target, room: int) -> dict:
+def request_body(req: BenchRequest) -> dict:
     return {
         "input_ids": req.input_ids,
         "sampling_params": {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0},
-        "stream": True,  # the router asks the prefill for a stream too
-        "bootstrap_host": target.bootstrap_host,
-        "bootstrap_port": target.bootstrap_port,
-        "bootstrap_room": room,
+        "stream": True,  # a router asks the prefill for a stream too
     }
 
 
-async def send_pd(session: aiohttp.ClientSession, target: Target, req: BenchRequest, run_t0: float,
-                  timeout_s: float) -> RequestResult:
+async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest, run_t0: float,
+               timeout_s: float) -> RequestResult:
     res = RequestResult(req.index, req.input_len, req.output_len)
-    body = request_body(req, target, _ROOMS.getrandbits(63))
+    body = request_body(req)
+    if target.router is None:
+        body.update(bootstrap_host=target.bootstrap_host, bootstrap_port=target.bootstrap_port,
+                    bootstrap_room=_ROOMS.getrandbits(63))
     t0 = time.perf_counter()
     res.start_s = t0 - run_t0
     timer = StreamTimer(t0)
-    prefill = asyncio.create_task(_prefill(session, target.prefill + "/generate", body, t0))
+    prefill = None if target.router else asyncio.create_task(_prefill(session, f"{target.prefill}/generate", body, t0))
     try:
         async with asyncio.timeout(timeout_s):
-            await _decode(session, target.decode + "/generate", body, timer)
+            who = "router" if target.router else "decode"
+            await _stream(session, f"{target.router or target.decode}/generate", body, timer, who)
             res.e2e_s = time.perf_counter() - t0
-            # Like the router, a request is over when both nodes answered. After a decode failure
+            # Like a router, a request is over when both nodes answered. After a decode failure
             # the prefill is not awaited (it may wait out its bootstrap timeout); the after-run
             # idle wait covers it.
-            res.prefill_s = await prefill
+            if prefill is not None:
+                res.prefill_s = await prefill
         res.ok = True
     except RequestFailed as exc:
         res.error = str(exc)
@@ -145,23 +158,25 @@ async def send_pd(session: aiohttp.ClientSession, target: Target, req: BenchRequ
     except aiohttp.ClientError as exc:
         res.error = f"connection: {type(exc).__name__}: {exc}"
     except (ValueError, UnicodeDecodeError) as exc:  # bad JSON in a chunk
-        res.error = f"malformed decode stream: {type(exc).__name__}: {exc}"
+        res.error = f"malformed stream: {type(exc).__name__}: {exc}"
     finally:
-        if not prefill.done():
-            prefill.cancel()
-        await asyncio.gather(prefill, return_exceptions=True)
+        if prefill is not None:
+            if not prefill.done():
+                prefill.cancel()
+            await asyncio.gather(prefill, return_exceptions=True)
     res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason = (
         timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason)
     if res.ok and res.output_tokens != req.output_len:
         res.ok = False
-        res.error = f"decode stream ended after {res.output_tokens} of {req.output_len} tokens"
+        res.error = f"stream ended after {res.output_tokens} of {req.output_len} tokens"
     return res
 
 
-async def _decode(session: aiohttp.ClientSession, url: str, body: dict, timer: StreamTimer) -> None:
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, timer: StreamTimer, who: str) -> None:
+    """The decode's (or the router's: ``who``) SSE stream, folded into ``timer``."""
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
-            raise RequestFailed(f"decode HTTP {resp.status}: {_message(await _json_or_text(resp))}")
+            raise RequestFailed(f"{who} HTTP {resp.status}: {_message(await _json_or_text(resp))}")
         buf = bytearray()
         async for chunk in resp.content.iter_any():
             now = time.perf_counter()
@@ -170,7 +185,7 @@ async def _decode(session: aiohttp.ClientSession, url: str, body: dict, timer: S
                 if data == b"[DONE]":
                     return
                 timer.on_event(now, json.loads(data))
-    raise RequestFailed("decode stream closed without [DONE]")
+    raise RequestFailed(f"{who} stream closed without [DONE]")
 
 
 async def _prefill(session: aiohttp.ClientSession, url: str, body: dict, t0: float) -> float:

@@ -1,23 +1,25 @@
-"""``pdcluster up``: a prefill node and a decode node on this machine, for a first run.
+"""``pdcluster up``: a whole cluster on this machine — prefill and decode nodes with our router in
+front — for a first run, a demo or local development.
 
-With ``--demo`` it makes a tiny random-weight model when none is given, sends one request the
-way ``sglang-router`` does (the same body, plus bootstrap host/port/room, to both nodes at
-once), prints the decode node's answer and the memory report of both nodes, and shuts down.
+    pdcluster up [--model-path DIR] [--port 8000] [--num-prefill N] [--num-decode M] [--demo]
+
+Without ``--model-path`` it makes a tiny random-weight model (its text is noise; the tests check
+the tokens against HF). It prints the router's URL, the one address clients need, and runs until
+Ctrl-C or SIGTERM, then stops every child by process group. ``--demo`` sends one chat request
+through the router, prints the answer and both kinds of node's memory report, and shuts down.
 """
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
-import random
 import signal
 import sys
 import tempfile
 import time
 import urllib.request
 
-from common.tools.pair import LaunchedPair, get_json
+from common.tools.local_cluster import ROUTERS, LocalCluster, get_json
 
 
 def post_json(url: str, body: dict, timeout_s: float = 120) -> dict:
@@ -26,68 +28,80 @@ def post_json(url: str, body: dict, timeout_s: float = 120) -> dict:
         return json.loads(r.read())
 
 
-def pd_request(prefill: str, decode: str, bootstrap_port: int, path: str, body: dict) -> dict:
-    """Send one request to both nodes as sglang-router does; return the decode node's body."""
-    body = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=random.getrandbits(63))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        p = pool.submit(post_json, prefill + path, dict(body, stream=False))
-        d = pool.submit(post_json, decode + path, body)
-        p.result()
-        return d.result()
-
-
 def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # runs the finally below: the nodes are stopped, not orphaned
+    raise SystemExit(128 + signum)  # runs the finally below: the children are stopped, not orphaned
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pdcluster up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", help="HF checkpoint directory (default with --demo: a tiny random model)")
+    ap.add_argument("--model-path", help="HF checkpoint directory (default: a tiny random-weight qwen3 model)")
+    ap.add_argument("--host", default="127.0.0.1", help="the router's listen address (nodes stay on loopback)")
+    ap.add_argument("--port", type=int, default=8000, help="the router's port")
+    ap.add_argument("--num-prefill", type=int, default=1)
+    ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--policy", default="least-loaded", help="router policy (see `pdcluster router --help`)")
+    ap.add_argument("--router", default="ours", choices=ROUTERS,
+                    help="the front door: ours, sglang (sglang-router from .venv-router, `make router-venv`), none")
     ap.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "fake"])
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--demo", action="store_true", help="send one request, print the answer, shut down")
+    ap.add_argument("--demo", action="store_true", help="send one request through the router, print the answer, shut down")
     ap.add_argument("--prompt", default="Disaggregated serving splits prefill and decode because")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--startup-timeout", type=float, default=180.0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.num_prefill < 1 or args.num_decode < 1:
+        ap.error("--num-prefill and --num-decode must be >= 1")
+    if args.demo and args.router == "none":
+        ap.error("--demo sends its request through a router: drop --router none")
+    return args
+
+
+def tiny_model_dir() -> str:
+    from common.tools.make_tiny_model import make_tiny_model  # torch: only when needed
+
+    path = os.path.join(tempfile.gettempdir(), "pdcluster-demo-tiny-qwen3")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch="qwen3", seed=0)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    model = args.model_path
-    if model is None:
-        if not args.demo:
-            print("pdcluster up: --model-path is required (or --demo for a tiny random model)", file=sys.stderr)
-            return 2
-        from common.tools.make_tiny_model import make_tiny_model
-
-        model = os.path.join(tempfile.gettempdir(), "pdcluster-demo-tiny-qwen3")
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            make_tiny_model(model, arch="qwen3", seed=0)
+    model = args.model_path or tiny_model_dir()
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    pair = LaunchedPair()
+    cluster = LocalCluster()
+    router_args = ["--policy", args.policy] if args.router == "ours" else []
     try:
-        t = pair.start(model, args.transfer_backend, args.page_size, [], [], args.startup_timeout)
-        print(f"prefill node {t.prefill} (bootstrap port {t.bootstrap_port}), decode node {t.decode}", flush=True)
+        url = cluster.start(model, backend=args.transfer_backend, page_size=args.page_size,
+                            num_prefill=args.num_prefill, num_decode=args.num_decode, router=args.router,
+                            router_args=router_args, router_port=args.port, router_host=args.host,
+                            startup_timeout_s=args.startup_timeout)
+        for n in cluster.nodes:
+            extra = f" (bootstrap port {n.bootstrap_port})" if n.bootstrap_port else ""
+            print(f"{n.role} node {n.url}{extra}", flush=True)
+        if url:
+            print(f"router  {url}   <- send requests here (OpenAI API and /generate)", flush=True)
         if not args.demo:
             print("cluster up; Ctrl-C to stop", flush=True)
-            while all(p.poll() is None for p in pair.procs):
+            while not cluster.dead():
                 time.sleep(1)
+            print(f"pdcluster up: {', '.join(cluster.dead())} exited; stopping the rest", file=sys.stderr)
             return 1
         body = {"model": None, "messages": [{"role": "user", "content": args.prompt}],
                 "max_tokens": args.max_new_tokens, "temperature": 0}
-        out = pd_request(t.prefill, t.decode, t.bootstrap_port, "/v1/chat/completions", body)
+        out = post_json(f"{url}/v1/chat/completions", body)
         note = "  (random weights: the text is noise; make test checks the tokens against HF)" if args.model_path is None else ""
         print("request :", args.prompt)
         print("answer  :", json.dumps(out["choices"][0]["message"]["content"]) + note)
         print("usage   :", json.dumps(out.get("usage")))
-        print("memory  : prefill", json.dumps(get_json(t.prefill + "/debug/memory")))
-        print("          decode ", json.dumps(get_json(t.decode + "/debug/memory")))
+        for n in cluster.nodes:
+            print(f"memory  : {n.name:<9}", json.dumps(get_json(n.url + "/debug/memory")))
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
-        pair.stop()
+        cluster.stop()
+
 
 if __name__ == "__main__":
     sys.exit(main())

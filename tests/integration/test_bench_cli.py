@@ -1,8 +1,9 @@
-"""``pdcluster bench``: the CLI against a launched pair, the request client against a scripted
+"""``pdcluster bench``: the CLI against a launched cluster, the request client against a scripted
 server, and the report arithmetic against independent references.
 
-    test_cli_launch_*      the real CLI (subprocess) launches a tiny pair and runs a few requests;
-                           counts are checked against the workload the test recomputes itself
+    test_cli_launch_*      the real CLI (subprocess) launches a tiny pair, behind our router or
+                           with none, and runs a few requests; counts are checked against the
+                           workload the test recomputes itself
     test_client_failures   every way a request can fail (HTTP error, SSE error chunk, early end,
                            timeout, refused connection) is counted with its reason, none raises
     the rest               percentiles vs numpy, stream timing, SSE framing, workload, leak check,
@@ -38,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 CLI_TIMEOUT_S = 150.0
 
-# ---- the CLI against a launched pair ------------------------------------------------------------
+# ---- the CLI against a launched cluster ------------------------------------------------------------
 
 NUM, IN_LEN, OUT_LEN, RATIO, SEED = 6, 40, 8, 0.5, 7
 
@@ -53,7 +54,7 @@ def run_cli(tmp_path: Path, model_dir: str, backend: str, extra: list[str]) -> t
     try:
         stdout, _ = proc.communicate(timeout=CLI_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the bench stops the pair it launched on SIGTERM
+        proc.send_signal(signal.SIGTERM)  # the bench stops the cluster it launched on SIGTERM
         try:
             stdout, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -66,8 +67,8 @@ def run_cli(tmp_path: Path, model_dir: str, backend: str, extra: list[str]) -> t
 
 
 def _kill_nodes(stdout: str) -> None:
-    """Last resort after a hung bench: the node process groups it printed."""
-    m = re.search(r"node pids ([\d ]+);", stdout)
+    """Last resort after a hung bench: the process groups it printed."""
+    m = re.search(r"; pids ([\d ]+);", stdout)
     for pid in (m.group(1).split() if m else []):
         try:
             os.killpg(int(pid), signal.SIGKILL)
@@ -75,7 +76,7 @@ def _kill_nodes(stdout: str) -> None:
             pass
 
 
-def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: float) -> None:
+def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: float, router: bool) -> None:
     assert rc == 0, stdout[-4000:]
     s = doc["summary"]
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
@@ -97,15 +98,18 @@ def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: floa
         assert 0 < r["ttft_s"] <= r["e2e_s"]
         assert r["ttft_s"] + sum(r["itl_s"]) == pytest.approx(r["e2e_s"], abs=0.05)
     assert doc["leak_check_clean"] is True
-    for role in ("prefill", "decode"):
-        assert doc["nodes"][role]["leak_problems"] == []
-        assert report.idle_problems(doc["after"][role]["memory"]) == []
-    assert doc["nodes"]["decode"]["counter_deltas"]["generated_tokens_total"] == s["total_output_tokens"]
-    assert doc["nodes"]["prefill"]["counter_deltas"]["prompt_tokens_total"] == s["total_input_tokens"]
-    assert "leak check prefill clean" in stdout and "leak check decode  clean" in stdout
-    cpu = doc["cpu_seconds"]  # launched pair: each node's process group, read from /proc
-    assert set(cpu) == {"prefill_api", "prefill_scheduler", "decode_api", "decode_scheduler", "bench_client"}
-    assert cpu["decode_scheduler"] > 0 and cpu["prefill_scheduler"] > 0 and cpu["bench_client"] > 0
+    assert set(doc["nodes"]) == {"prefill0", "decode0"}
+    for name in ("prefill0", "decode0"):
+        assert doc["nodes"][name]["leak_problems"] == []
+        assert report.idle_problems(doc["after"][name]["memory"]) == []
+        assert re.search(rf"^leak check {name} +clean$", stdout, re.M), stdout[-2000:]
+    assert doc["nodes"]["decode0"]["counter_deltas"]["generated_tokens_total"] == s["total_output_tokens"]
+    assert doc["nodes"]["prefill0"]["counter_deltas"]["prompt_tokens_total"] == s["total_input_tokens"]
+    cpu = doc["cpu_seconds"]  # launched cluster: each process group, read from /proc
+    want_cpu = {"prefill0_api", "prefill0_scheduler", "decode0_api", "decode0_scheduler", "bench_client"}
+    assert set(cpu) == want_cpu | ({"router"} if router else set())
+    assert cpu["decode0_scheduler"] > 0 and cpu["prefill0_scheduler"] > 0 and cpu["bench_client"] > 0
+    assert doc["target"]["router"] is None or router
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +117,20 @@ def tiny_dir(tiny_model_factory) -> str:  # type: ignore[no-untyped-def]
     return tiny_model_factory("qwen3")
 
 
-def test_cli_launch_fake(tmp_path: Path, tiny_dir: str) -> None:
+def test_cli_launch_fake_through_our_router(tmp_path: Path, tiny_dir: str) -> None:
     rc, doc, stdout = run_cli(tmp_path, tiny_dir, "fake", ["--max-concurrency", "3"])
-    check_cli_report(rc, doc, stdout, tiny_dir, math.inf)
+    check_cli_report(rc, doc, stdout, tiny_dir, math.inf, router=True)
+    assert doc["target"]["router"].startswith("http://127.0.0.1:")
     assert doc["summary"]["concurrency"] <= 3.0 + 1e-6
 
 
 @pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake-transfer-engine not installed")
 def test_cli_launch_mooncake_poisson(tmp_path: Path, tiny_dir: str) -> None:
+    # No router: the bench fronts the pair itself (the baseline a router's overhead is measured on).
     rc, doc, stdout = run_cli(tmp_path, tiny_dir, "mooncake", ["--request-rate", "50", "--slo-ttft-ms", "1e9",
-                                                                "--slo-tpot-ms", "1e9"])
-    check_cli_report(rc, doc, stdout, tiny_dir, 50.0)
+                                                                "--slo-tpot-ms", "1e9", "--router", "none"])
+    check_cli_report(rc, doc, stdout, tiny_dir, 50.0, router=False)
+    assert doc["target"]["router"] is None and doc["target"]["decode"] is not None
     starts = sorted(r["start_s"] for r in doc["requests"])
     assert starts[-1] > 0  # Poisson arrivals are spread, not all at 0
     assert doc["summary"]["goodput"]["good_requests"] == NUM  # SLOs nobody can miss
@@ -131,7 +138,9 @@ def test_cli_launch_mooncake_poisson(tmp_path: Path, tiny_dir: str) -> None:
 
 def test_cli_bad_arguments() -> None:
     for args in (["--launch"], ["--prefill", "http://x"], ["--launch", "--make-tiny-model", "--prefill", "http://x"],
-                 ["--make-tiny-model", "--request-rate", "0"]):
+                 ["--make-tiny-model", "--request-rate", "0"], ["--url", "http://x", "--decode", "http://y"],
+                 ["--make-tiny-model", "--url", "http://x"], ["--make-tiny-model", "--num-decode", "0"],
+                 ["--make-tiny-model", "--router", "none", "--num-prefill", "2"]):
         proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
                               text=True, timeout=30)
         assert proc.returncode == 2 and "pdcluster bench:" in proc.stderr, (args, proc.stderr)
@@ -190,31 +199,39 @@ async def _scripted_pair() -> tuple[web.AppRunner, str]:
 def test_client_failures() -> None:
     from common.tools.bench_workload import BenchRequest
 
-    async def go() -> tuple[list[RequestResult], list[RequestResult]]:
+    async def go() -> tuple[list[RequestResult], list[RequestResult], list[RequestResult]]:
         runner, base = await _scripted_pair()
         try:
             reqs = [BenchRequest(i, [1, 2, 3], n, 0.0) for i, n in enumerate((8, 2, 3, 4, 5, 6, 1))]
-            target = Target(base + "/p", base + "/d", "127.0.0.1", 1)
+            target = Target(prefill=base + "/p", decode=base + "/d", bootstrap_host="127.0.0.1", bootstrap_port=1)
             res, _ = await run_requests(target, reqs, 4, 1.0, 20.0)
-            dead = Target("http://127.0.0.1:9", "http://127.0.0.1:9", "127.0.0.1", 1)  # discard port: refused
+            # Through a router only its stream counts: the scripted decode plays the router.
+            res_router, _ = await run_requests(Target(router=base + "/d"), reqs, 4, 1.0, 20.0)
+            dead = Target(prefill="http://127.0.0.1:9", decode="http://127.0.0.1:9", bootstrap_host="127.0.0.1",
+                          bootstrap_port=1)  # discard port: refused
             res_dead, _ = await run_requests(dead, reqs[:1], None, 1.0, 20.0)
-            return res, res_dead
+            return res, res_router, res_dead
         finally:
             await runner.cleanup()
 
-    res, res_dead = asyncio.run(go())
+    res, res_router, res_dead = asyncio.run(go())
     by_len = {r.output_len: r for r in res}
     assert by_len[8].ok and by_len[8].output_tokens == 8 and len(by_len[8].itl_s) == 7
     assert by_len[1].ok and by_len[1].tpot_s is None and by_len[1].itl_s == []
     assert not by_len[2].ok and by_len[2].error == "decode HTTP 503: no KV pages for room 99999999"
-    assert not by_len[3].ok and by_len[3].error == "decode stream error: decode aborted"
-    assert not by_len[4].ok and "without [DONE]" in by_len[4].error
+    assert not by_len[3].ok and by_len[3].error == "stream error: decode aborted"
+    assert not by_len[4].ok and by_len[4].error == "decode stream closed without [DONE]"
     assert not by_len[5].ok and "request timeout (1 s)" in by_len[5].error
     assert not by_len[6].ok and by_len[6].error.startswith("prefill HTTP 500: KV transfer failed")
     assert not res_dead[0].ok and res_dead[0].error.startswith("connection:")
     s = report.summarize(res, 1.0)
     assert s["completed"] == 2 and s["failed"] == 5 and sum(s["failure_reasons"].values()) == 5
     assert "decode HTTP 503: no KV pages for room <n>" in s["failure_reasons"]
+    by_len = {r.output_len: r for r in res_router}
+    assert [n for n, r in sorted(by_len.items()) if r.ok] == [1, 6, 8]  # no prefill leg: 6 succeeds
+    assert by_len[2].error == "router HTTP 503: no KV pages for room 99999999"
+    assert by_len[4].error == "router stream closed without [DONE]" and by_len[8].output_tokens == 8
+    assert all(r.prefill_s is None for r in res_router)
 
 
 # ---- pure parts -------------------------------------------------------------------------------------

@@ -1,0 +1,253 @@
+"""Start a whole cluster on this machine — N prefill nodes, M decode nodes and a router in front —
+for ``pdcluster up`` and ``pdcluster bench --launch``; stop it by PID.
+
+    nodes (all at once, free loopback ports) -> each answers /health
+      -> router (ours: ``python -m router``; or sglang-router from its own venv; or none)
+      -> the router sees every worker healthy -> ``url`` is the front door
+
+Each process runs in its own session, so ``stop()`` signals the whole process group (API process,
+scheduler, mooncake threads) — SIGTERM, then SIGKILL after a grace period. With a ``logdir``
+output goes to one log file per process (their tails are shown when one fails to start); without,
+it goes to this process's terminal. Processes are recorded as they start, so a start-up failure
+followed by ``stop()`` leaves nothing running.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+STOP_GRACE_S = 15.0
+ROUTERS = ("ours", "sglang", "none")
+# The directory holding the ``common`` package: children import ``prefill_node`` / ``router``
+# from there whatever the caller's working directory (the repo is not necessarily installed).
+CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SGLANG_ROUTER_PYTHON = os.path.join(CODE_ROOT, ".venv-router", "bin", "python")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout_s: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def _get_status(url: str) -> tuple[int, object]:
+    """(HTTP status, JSON body or None); (0, None) when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str  # "prefill0", "decode1": also the key of its process and log
+    role: str  # "prefill" | "decode"
+    url: str  # base URL, no trailing slash
+    bootstrap_port: int | None = None  # prefill only
+
+
+@dataclass
+class LocalCluster:
+    """Use as ``c = LocalCluster(); try: c.start(...) ... finally: c.stop()``."""
+
+    logdir: str | None = None  # None: output goes to our stdout/stderr
+    env: dict[str, str] = field(default_factory=dict)  # on top of ours, for every child
+    nodes: list[NodeInfo] = field(default_factory=list)
+    router_url: str | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # name -> process (group leader)
+    logs: list[str] = field(default_factory=list)
+    argv: dict[str, list[str]] = field(default_factory=dict)  # name -> command line, for restart()
+
+    @property
+    def prefills(self) -> list[NodeInfo]:
+        return [n for n in self.nodes if n.role == "prefill"]
+
+    @property
+    def decodes(self) -> list[NodeInfo]:
+        return [n for n in self.nodes if n.role == "decode"]
+
+    def start(self, model_path: str, *, backend: str = "mooncake", page_size: int = 16, num_prefill: int = 1,
+              num_decode: int = 1, prefill_args: list[str] = (), decode_args: list[str] = (),  # type: ignore[assignment]
+              router: str = "ours", router_args: list[str] = (), router_port: int | None = None,  # type: ignore[assignment]
+              router_host: str = "127.0.0.1", startup_timeout_s: float = 180.0) -> str | None:
+        """Start the nodes, then the router; return the router's URL (None with ``router="none"``)
+        once it sees every node healthy. Raises RuntimeError/TimeoutError on a failed start."""
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode node")
+        common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
+                  "--disaggregation-transfer-backend", backend]
+        for i in range(num_prefill):
+            port, bport = free_port(), free_port()
+            self._start_node(NodeInfo(f"prefill{i}", "prefill", f"http://127.0.0.1:{port}", bport),
+                             [*common, "--port", str(port), "--disaggregation-bootstrap-port", str(bport),
+                              *prefill_args])
+        for i in range(num_decode):
+            port = free_port()
+            self._start_node(NodeInfo(f"decode{i}", "decode", f"http://127.0.0.1:{port}"),
+                             [*common, "--port", str(port), *decode_args])
+        deadline = time.monotonic() + startup_timeout_s
+        for node in self.nodes:
+            self._wait(node.name, lambda n=node: _get_status(n.url + "/health")[0] == 200, deadline)
+        if router == "none":
+            return None
+        port = router_port or free_port()
+        self.router_url = f"http://{'127.0.0.1' if router_host in ('0.0.0.0', '::') else router_host}:{port}"
+        if router == "ours":
+            self._spawn("router", [sys.executable, "-m", "router", *self._router_argv(router_host, port),
+                                   "--log-level", "warning", *router_args])
+            self._wait("router", self._all_workers_healthy, deadline)
+        else:
+            self._spawn("router", [SGLANG_ROUTER_PYTHON, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                                   *self._router_argv(router_host, port),
+                                   # its metrics port defaults to a fixed 29000 that two runs would fight over
+                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                   "--shutdown-grace-period-secs", "1", "--log-level", "warn", *router_args])
+            self._wait("router", self._sglang_ready, deadline)
+        return self.router_url
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def _router_argv(self, host: str, port: int) -> list[str]:
+        argv = ["--host", host, "--port", str(port)]
+        for n in self.prefills:
+            argv += ["--prefill", n.url, str(n.bootstrap_port)]
+        for n in self.decodes:
+            argv += ["--decode", n.url]
+        return argv
+
+    def _all_workers_healthy(self) -> bool:
+        status, body = _get_status(f"{self.router_url}/workers")
+        if status != 200 or not isinstance(body, dict):
+            return False
+        workers = body.get("workers", [])
+        return len(workers) == len(self.nodes) and all(w.get("healthy") for w in workers)
+
+    def _sglang_ready(self) -> bool:
+        status, body = _get_status(f"{self.router_url}/readiness")
+        return status == 200 and isinstance(body, dict) and body.get("healthy_workers") == len(self.nodes)
+
+    def _start_node(self, node: NodeInfo, args: list[str]) -> None:
+        self.nodes.append(node)
+        self._spawn(node.name, [sys.executable, "-m", f"{node.role}_node", *args])
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        env = {"PDC_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR", **os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)
+        self.argv[name] = argv
+        log: IO[str] | None = None
+        if self.logdir is not None:
+            path = os.path.join(self.logdir, f"{name}.log")
+            if path not in self.logs:
+                self.logs.append(path)
+            log = open(path, "a")
+        try:
+            self.procs[name] = subprocess.Popen(argv, env=env, cwd=CODE_ROOT, stdout=log,
+                                                stderr=subprocess.STDOUT if log else None, start_new_session=True)
+        finally:
+            if log is not None:
+                log.close()  # the child has its own copy of the descriptor
+
+    def _wait(self, name: str, ready: Callable[[], bool], deadline: float) -> None:
+        proc = self.procs[name]
+        while not ready():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: exited with code {proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: not ready before the start-up timeout")
+            time.sleep(0.2)
+
+    # ---- while running ---------------------------------------------------------------------------
+
+    def dead(self) -> list[str]:
+        """Names of processes that have exited."""
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def cpu_seconds(self) -> dict[str, float] | None:
+        """User + system CPU seconds used so far by each live process group: a node splits into its
+        API process (the group leader: uvicorn, tokenize, stream) and the rest of its group (the
+        scheduler process and multiprocessing's helpers); the router is one entry. None without
+        /proc (not Linux)."""
+        if not os.path.isdir("/proc") or not self.procs:
+            return None
+        groups = {p.pid: name for name, p in self.procs.items()}
+        out = {name: 0.0 for name in groups.values() if name == "router"}
+        out.update({f"{n.name}_{part}": 0.0 for n in self.nodes for part in ("api", "scheduler")})
+        tick = os.sysconf("SC_CLK_TCK")
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+            except OSError:
+                continue  # exited meanwhile
+            pgrp = int(fields[2])
+            if pgrp not in groups:
+                continue
+            name = groups[pgrp]
+            key = name if name == "router" else f"{name}_{'api' if int(entry) == pgrp else 'scheduler'}"
+            out[key] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        return out
+
+    def log_tails(self, n: int = 30) -> str:
+        out = []
+        for path in self.logs:
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                out.append(f"---- {path}\n" + "".join(f.readlines()[-n:]))
+        return "\n".join(out)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal one process group (a test's fault injection); SIGKILL also reaps it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[name].pid, sig)
+        if sig == signal.SIGKILL:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[name].wait(timeout=10)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a stopped node again on its old ports; return once it answers ``/health``."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        node = next(n for n in self.nodes if n.name == name)
+        self._spawn(name, self.argv[name])
+        self._wait(name, lambda: _get_status(node.url + "/health")[0] == 200, time.monotonic() + timeout_s)
+
+    def stop(self) -> None:
+        """The router first (no new requests reach dying nodes), then every node at once."""
+        order = sorted(self.procs.values(), key=lambda p: p is not self.procs.get("router"))
+        for p in order:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in order:
+            try:
+                p.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            # Children of the group outlive a leader that exited on SIGTERM only if they hang:
+            # SIGKILL whatever is left of the group either way.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)

@@ -1,0 +1,309 @@
+"""Our router in front of 2 prefill + 2 decode nodes (real Mooncake over TCP, tiny qwen3), launched
+the way ``pdcluster up`` launches them (common/tools/local_cluster.py). Every request goes to the
+router's port; the nodes are only read for their counters and memory, and killed.
+
+    test_openai_client_*      32 concurrent requests from the official ``openai`` client, chat and
+                              completions, streamed and not: equal HF greedy; every node served some
+    test_cache_aware_*        a second router (cache-aware) on the same nodes sends a shared-prefix
+                              workload to one prefill, whose ``cached_tokens`` show the hits
+    test_prefill_killed_*     SIGKILL of one prefill under load: every request is retried and equals
+                              HF within the bound; the node leaves rotation and returns after a restart
+    test_decode_killed_*      SIGKILL of a decode mid-stream: its streams end with an error event
+                              within the bound; the other decode keeps serving
+    test_workers_*            /workers DELETE and POST during a run: no request fails
+
+Every test ends with every live node back at idle memory (the leak check), and the tests run in
+file order on one cluster: the kill tests restart what they killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from common.tokenizer import Tokenizer
+from common.tools.bench_report import scheduler_counters
+from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
+from tests.e2e.cluster import check_greedy, check_greedy_text, wait_idle
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+REQUEST_TIMEOUT_S = 45.0  # the router's per-request bound; clients must hear back within it
+# Nodes notice a dead peer within about a second (heartbeats) and give up on a room in seconds.
+NODE_ENV = {"PDC_HEARTBEAT_INTERVAL_S": "0.5", "PDC_HEARTBEAT_MAX_FAILURES": "2", "PDC_BOOTSTRAP_TIMEOUT_S": "10",
+            "PDC_WAITING_TIMEOUT_S": "15", "PDC_HUNG_PEER_QUARANTINE_S": "2"}
+ROUTER_ARGS = ["--health-check-interval-s", "0.5", "--health-failure-threshold", "2",
+               "--request-timeout-s", str(REQUEST_TIMEOUT_S), "--max-retries", "3", "--retry-budget-s", "30"]
+GEN = {"temperature": 0, "ignore_eos": True}
+
+
+@dataclass
+class Routed:
+    cluster: LocalCluster
+    url: str
+    model: str  # served model name, from the router's /v1/models
+    model_dir: str
+    tok: Tokenizer
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S + 15)
+
+    def generate(self, body: dict, url: str | None = None) -> httpx.Response:
+        return httpx.post(f"{url or self.url}/generate", json=body, timeout=REQUEST_TIMEOUT_S + 15)
+
+    def node_url(self, name: str) -> str:
+        return next(n.url for n in self.cluster.nodes if n.name == name)
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        return {n.name: scheduler_counters(httpx.get(n.url + "/metrics", timeout=10).text)
+                for n in self.cluster.nodes if self.cluster.procs[n.name].poll() is None}
+
+    def workers(self) -> dict[str, dict]:
+        body = httpx.get(f"{self.url}/workers", timeout=10).json()
+        return {w["url"]: w for w in body["workers"]}
+
+    def wait_worker(self, name: str, healthy: bool, timeout_s: float = 20.0) -> None:
+        url, deadline = self.node_url(name), time.monotonic() + timeout_s
+        while self.workers().get(url, {}).get("healthy") is not healthy:
+            assert time.monotonic() < deadline, f"{name} not healthy={healthy} in the router after {timeout_s:g} s"
+            time.sleep(0.2)
+
+    def wait_idle(self) -> None:
+        for n in self.cluster.nodes:
+            if self.cluster.procs[n.name].poll() is None:
+                wait_idle(n.url)
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_model_factory: Callable[..., str]) -> Iterator[Routed]:
+    model_dir = tiny_model_factory("qwen3")
+    cluster = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-router-e2e-"), env=NODE_ENV)
+    try:
+        url = cluster.start(model_dir, backend="mooncake", num_prefill=2, num_decode=2, router="ours",
+                            router_args=ROUTER_ARGS, startup_timeout_s=180)
+        assert url is not None
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield Routed(cluster, url, model, model_dir, Tokenizer(model_dir))
+    except BaseException:
+        print(cluster.log_tails(60))
+        raise
+    finally:
+        cluster.stop()
+
+
+# ---- one request through the openai client, checked against HF ------------------------------------
+
+
+def openai_request(r: Routed, kind: str, stream: bool, i: int, n: int) -> tuple[str, list[int]]:
+    """(answer text, the prompt's token ids as the node builds them)."""
+    client = r.client()
+    if kind == "chat":
+        msgs = [{"role": "user", "content": f"question {i}: where do prefill and decode meet?"}]
+        prompt = list(r.tok.apply_chat_template(msgs, add_generation_prompt=True))
+        resp = client.chat.completions.create(model=r.model, messages=msgs, max_tokens=n, stream=stream,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        text = ("".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream
+                else resp.choices[0].message.content)
+    else:
+        text_in = f"prompt {i}: the router mints a room"
+        prompt = r.tok.encode(text_in)
+        resp = client.completions.create(model=r.model, prompt=text_in, max_tokens=n, stream=stream, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].text for c in resp if c.choices) if stream else resp.choices[0].text
+    return text or "", prompt
+
+
+def test_openai_client_32_concurrent_match_hf_and_every_node_serves(routed: Routed) -> None:
+    before = routed.counters()
+    jobs = [(kind, stream, i) for i in range(8) for kind in ("chat", "completion") for stream in (False, True)]
+    n = 6
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        results = list(ex.map(lambda j: openai_request(routed, j[0], j[1], j[2], n), jobs))
+    for (kind, stream, i), (text, prompt) in zip(jobs, results):
+        check_greedy_text(routed.model_dir, routed.tok.decode, prompt, text, n, f"{kind} stream={stream} #{i}")
+    after = routed.counters()
+    served = {name: after[name].get(key, 0) - before[name].get(key, 0)
+              for name, key in (("prefill0", "prompt_tokens_total"), ("prefill1", "prompt_tokens_total"),
+                                ("decode0", "generated_tokens_total"), ("decode1", "generated_tokens_total"))}
+    assert all(v > 0 for v in served.values()), f"a node served nothing: {served}"
+    assert served["decode0"] + served["decode1"] == len(jobs) * n
+    routed.wait_idle()
+
+
+def test_cache_aware_sends_a_shared_prefix_to_one_prefill(routed: Routed) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache-aware",
+            "--log-level", "warning"]
+    for n in routed.cluster.prefills:
+        argv += ["--prefill", n.url, str(n.bootstrap_port)]
+    for n in routed.cluster.decodes:
+        argv += ["--decode", n.url]
+    proc = subprocess.Popen(argv, cwd=CODE_ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ws = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                if len(ws) == 4 and all(w["healthy"] for w in ws):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "cache-aware router did not come up"
+            time.sleep(0.2)
+        prefix = "A shared system prompt that every request of this tenant starts with, long enough " * 3
+        before = routed.counters()
+        cached = []
+        for i in range(6):
+            text = f"{prefix} question number {i}?"
+            resp = routed.generate({"text": text, "sampling_params": {"max_new_tokens": 3, **GEN}}, url=url)
+            assert resp.status_code == 200, resp.text
+            out = resp.json()
+            cached.append(out["meta_info"]["cached_tokens"])
+            if i == 0:
+                check_greedy(routed.model_dir, routed.tok.encode(text), out["output_ids"], 3, "cache-aware first")
+        after = routed.counters()
+        got = {p.name: after[p.name]["prompt_tokens_total"] - before[p.name].get("prompt_tokens_total", 0)
+               for p in routed.cluster.prefills}
+        assert sorted(v > 0 for v in got.values()) == [False, True], f"prompts spread over prefills: {got}"
+        assert cached[0] == 0 or cached[0] < len(routed.tok.encode(prefix)) // 2
+        assert all(c >= 16 for c in cached[1:]), f"later requests should hit the shared prefix: {cached}"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    routed.wait_idle()
+
+
+# ---- faults -------------------------------------------------------------------------------------
+
+
+def test_prefill_killed_under_load_requests_retry_and_succeed(routed: Routed) -> None:
+    prompts = [[(7 * i + 13 * k) % 800 + 5 for k in range(60 + 10 * (i % 4))] for i in range(24)]
+    n = 24
+    start = threading.Barrier(len(prompts) + 1)
+
+    def one(p: list[int]) -> tuple[httpx.Response, float]:
+        start.wait()
+        t0 = time.monotonic()
+        resp = routed.generate({"input_ids": p, "sampling_params": {"max_new_tokens": n, **GEN}})
+        return resp, time.monotonic() - t0
+
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        futures = [ex.submit(one, p) for p in prompts]
+        start.wait()
+        time.sleep(0.3)  # the first requests are being prefilled or transferred
+        routed.cluster.kill("prefill0", signal.SIGKILL)
+        results = [f.result() for f in futures]
+    for i, ((resp, elapsed), p) in enumerate(zip(results, prompts)):
+        assert resp.status_code == 200, (i, resp.status_code, resp.text)
+        assert elapsed < REQUEST_TIMEOUT_S, f"request {i} waited {elapsed:.1f} s, past the router's bound"
+        check_greedy(routed.model_dir, p, resp.json()["output_ids"], n, f"request {i} after a prefill kill")
+    routed.wait_worker("prefill0", healthy=False)
+    routed.wait_idle()  # the survivors hold nothing
+    routed.cluster.restart("prefill0")
+    routed.wait_worker("prefill0", healthy=True)
+    before = routed.counters()["prefill0"].get("prompt_tokens_total", 0)
+    for i in range(12):  # least-loaded with random ties: the restarted node gets some of these
+        resp = routed.generate({"input_ids": [3, 4, 5 + i], "sampling_params": {"max_new_tokens": 2, **GEN}})
+        assert resp.status_code == 200, resp.text
+    assert routed.counters()["prefill0"]["prompt_tokens_total"] > before, "the restarted prefill got no request"
+    routed.wait_idle()
+
+
+def test_decode_killed_mid_stream_ends_its_streams_with_an_error(routed: Routed) -> None:
+    n_streams, n = 8, 1500  # long enough to still be streaming when the kill lands
+
+    def stream(i: int, first: threading.Event) -> tuple[list[dict], float]:
+        """(events, when the stream ended)."""
+        body = {"input_ids": [11 + i, 12, 13], "sampling_params": {"max_new_tokens": n, **GEN}, "stream": True}
+        events: list[dict] = []
+        with httpx.stream("POST", routed.url + "/generate", json=body, timeout=REQUEST_TIMEOUT_S + 15) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
+                    first.set()
+        return events, time.monotonic()
+
+    firsts = [threading.Event() for _ in range(n_streams)]
+    with ThreadPoolExecutor(n_streams) as ex:
+        futures = [ex.submit(stream, i, firsts[i]) for i in range(n_streams)]
+        for e in firsts:
+            assert e.wait(30), "a stream never started"
+        killed_at = time.monotonic()
+        routed.cluster.kill("decode0", signal.SIGKILL)
+        results = [f.result() for f in futures]
+    assert all(ev[-1] == {"done": True} for ev, _ in results), "every stream ends with [DONE]"
+    errored = [(ev, end) for ev, end in results if "error" in ev[-2]]
+    finished = [ev for ev, _ in results if "error" not in ev[-2]]
+    assert errored, "no stream was on the killed decode"
+    for ev, end in errored:  # an error event, within seconds, not a hang until the request timeout
+        assert end - killed_at < 10, f"the error came {end - killed_at:.1f} s after the kill"
+        assert not any("error" in e for e in ev[:-2])
+    for ev in finished:  # the other decode's streams complete
+        assert len(ev[-2]["output_ids"]) == n
+    # the other decode keeps serving, through the router
+    routed.wait_worker("decode0", healthy=False)
+    for i in range(4):
+        resp = routed.generate({"input_ids": [21, 22, 23 + i], "sampling_params": {"max_new_tokens": 3, **GEN}})
+        assert resp.status_code == 200, resp.text
+        check_greedy(routed.model_dir, [21, 22, 23 + i], resp.json()["output_ids"], 3, "after a decode kill")
+    routed.wait_idle()
+    routed.cluster.restart("decode0")
+    routed.wait_worker("decode0", healthy=True)
+
+
+def test_workers_removed_and_added_during_a_run_fail_no_request(routed: Routed) -> None:
+    stop = threading.Event()
+    failures: list[str] = []
+    done = [0]
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            p = [30 + k, 31, 32 + i % 50]
+            resp = routed.generate({"input_ids": p, "sampling_params": {"max_new_tokens": 4, **GEN}})
+            if resp.status_code != 200:
+                failures.append(f"{resp.status_code} {resp.text[:200]}")
+            else:
+                done[0] += 1
+            i += 1
+
+    by_name = {n.name: n for n in routed.cluster.nodes}
+    with ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(client, k) for k in range(4)]
+        try:
+            for name in ("prefill1", "decode1"):
+                node = by_name[name]
+                time.sleep(1.0)
+                resp = httpx.delete(f"{routed.url}/workers", params={"url": node.url}, timeout=10)
+                assert resp.status_code == 200, resp.text
+                assert node.url not in routed.workers() or routed.workers()[node.url].get("draining")
+                time.sleep(1.0)
+                body = {"url": node.url, "role": node.role, "bootstrap_port": node.bootstrap_port}
+                resp = httpx.post(f"{routed.url}/workers", json=body, timeout=10)
+                assert resp.status_code == 200, resp.text
+                routed.wait_worker(name, healthy=True)
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for f in futures:
+                f.result()
+    assert not failures, failures[:5]
+    assert done[0] > 8
+    assert len(routed.workers()) == 4 and all(w["healthy"] for w in routed.workers().values())
+    routed.wait_idle()
