@@ -258,6 +258,32 @@ def test_stream_timer_spreads_multi_token_chunks() -> None:
     assert t.itl_s == pytest.approx([0.1, 0.1, 0.1, 0.1])
 
 
+def test_stream_timer_reads_openai_completion_chunks() -> None:
+    def chunk(text: str, usage: int | None = None, finish: str | None = None) -> dict:
+        ev: dict = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        if usage is not None:
+            ev["usage"] = {"completion_tokens": usage}
+        return ev
+
+    # vllm-style: usage on every chunk (continuous_usage_stats), so counts are exact.
+    t = StreamTimer(t0=0.0)
+    t.on_event(0.2, chunk(" a", 1))
+    t.on_event(0.3, chunk(" b c", 3))
+    t.on_event(0.4, chunk("", 3))  # no new token
+    t.on_event(0.5, chunk(" d", 4, "length"))
+    assert t.ttft_s == pytest.approx(0.2) and t.tokens == 4 and t.finish_reason == "length"
+    assert t.itl_s == pytest.approx([0.05, 0.05, 0.2])
+    # Without per-chunk usage: one token per text chunk, the include_usage chunk sets the total.
+    t = StreamTimer(t0=0.0)
+    t.on_event(0.1, chunk(" a"))
+    t.on_event(0.2, chunk(""))
+    t.on_event(0.3, chunk(" b", finish="length"))
+    t.on_event(0.31, {"choices": [], "usage": {"completion_tokens": 5}})
+    assert t.ttft_s == pytest.approx(0.1) and t.itl_s == pytest.approx([0.2]) and t.tokens == 5
+    with pytest.raises(Exception, match="stream error: boom"):
+        t.on_event(0.4, {"error": {"message": "boom"}})
+
+
 def test_sse_framing_across_reads() -> None:
     buf = bytearray()
     stream = _sse({"a": 1}) + b": comment\n\n" + _sse({"b": 2}) + b"data: [DONE]\n\n"
