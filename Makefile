@@ -1,34 +1,47 @@
-# CPU install path: a virtualenv with the pinned CPU torch, Mooncake (TCP) and the project, plus
-# a separate venv with the real sglang-router for the conformance test.
+# CPU install path: a virtualenv with exactly the versions of requirements/cpu.lock (the CPU torch
+# 2.13.0 build, Mooncake over TCP, the test tools) and the project, plus a separate venv with the
+# real sglang-router for the conformance test. `make lock` re-resolves the locks (scripts/lock.sh).
 PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
 ROUTER_VENV ?= .venv-router
+LOCK        := requirements/cpu.lock
+# Where torch==2.13.0+cpu comes from when no find-links directory has it (this machine's pip
+# config points at one): e.g. make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test test-unit test-integration test-e2e run clean
+.PHONY: setup router-venv lock test test-unit test-integration test-e2e run clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/install_system_deps.sh
+# A new lock rebuilds the venv from scratch (--clear), so nothing outside the lock lingers.
+# --no-deps everywhere: the lock is the whole set, pip resolves nothing; pip check proves it whole.
+$(VENV)/.installed: pyproject.toml $(LOCK) scripts/install_system_deps.sh
 	scripts/install_system_deps.sh
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch; a bare "torch" would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cpu,test]'
+	$(PYTHON) -m venv --clear $(VENV)
+	$(BIN)/pip install -q "$$(grep '^pip==' $(LOCK))"
+	$(BIN)/pip install -q --no-deps $(PIP_SOURCES) -r $(LOCK)
+	# setuptools and wheel come from the lock: build without isolation, so none is fetched unpinned.
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $@
 
-# sglang-router 0.3.2, the real front door tests/e2e/test_sglang_router.py puts in front of our
-# nodes, in a venv of its own so its pins never meet ours; our venv's pip installs it (a fresh
-# venv's bundled pip took twice as long). Best effort: if the install fails (no network), the tests
-# still run and that one skips, saying why; the next `make test` tries again.
+lock:
+	scripts/lock.sh
+
+# sglang-router 0.3.2 (requirements/router.lock), the real front door tests/e2e/test_sglang_router.py
+# puts in front of our nodes, in a venv of its own so its pins never meet ours; our venv's pip
+# installs it (a fresh venv's bundled pip took twice as long). Best effort: if the install fails
+# (no network), the tests still run and that one skips, saying why; the next `make test` tries again.
 router-venv: $(ROUTER_VENV)/.installed
 
-$(ROUTER_VENV)/.installed: | $(VENV)/.installed
+$(ROUTER_VENV)/.installed: requirements/router.lock | $(VENV)/.installed
 	@rm -rf $(ROUTER_VENV)
 	@$(PYTHON) -m venv --without-pip $(ROUTER_VENV) && echo '*' > $(ROUTER_VENV)/.gitignore \
-	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python install -q sglang-router==0.3.2 && touch $@ \
-	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing sglang-router==0.3.2 failed;" \
+	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python install -q --no-deps -r requirements/router.lock \
+	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python check && touch $@ \
+	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing requirements/router.lock failed;" \
 	       "tests/e2e/test_sglang_router.py will skip" >&2; }
 
 test: setup router-venv
@@ -47,4 +60,4 @@ run: setup
 	$(BIN)/pdcluster up --demo
 
 clean:
-	rm -rf $(VENV) $(ROUTER_VENV)
+	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools

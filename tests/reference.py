@@ -66,8 +66,8 @@ def hf_greedy(
     tokens: list[int] = []
     gaps: list[float] = []
     for _ in range(max_new_tokens):
-        out = model(input_ids=step_ids, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=step_ids, cache=cache, use_cache=True)  # transformers >= 5.2x: ``cache``
+        cache = out.cache
         logits = out.logits[0, -1].float()  # [vocab]
         top2 = torch.topk(logits, 2).values
         gaps.append(float(top2[0] - top2[1]))

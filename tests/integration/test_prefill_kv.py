@@ -3,7 +3,7 @@
 This test plays the router and the decode: it POSTs prompts to ``python -m prefill_node`` with
 a bootstrap room while a ``DecodeKVManager`` with registered torch buffers reserves pages for
 that room. What lands in those pages must equal the keys/values HF ``transformers`` computes
-for the same prompt (``past_key_values``, float32), and the aux first token must be HF's greedy
+for the same prompt (its KV cache, float32), and the aux first token must be HF's greedy
 first token — for page sizes 1 and 16, with chunked prefill, and for a prompt whose prefix the
 node serves from its radix cache.
 """
@@ -30,7 +30,7 @@ def hf_kv(model_dir: str, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tens
     """HF's per-layer (K, V) for ``ids``. Each [T, kv_heads, head_dim] float32."""
     with torch.inference_mode():
         out = hf_model(model_dir)(input_ids=torch.tensor([ids]), use_cache=True)
-    layers = out.past_key_values.layers
+    layers = out.cache.layers
     return [(lay.keys[0].transpose(0, 1).float(), lay.values[0].transpose(0, 1).float()) for lay in layers]
 
 
@@ -72,7 +72,7 @@ def prompt(model_dir: str, n: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def test_kv_pages_equal_hf_past_key_values(setup) -> None:
+def test_kv_pages_equal_hf_kv_cache(setup) -> None:
     model_dir, page_size, node, peer = setup
     for n, seed in [(5, 1), (CHUNK, 2), (23, 3), (47, 4)]:  # one forward ... six chunks
         ids = prompt(model_dir, n, seed)

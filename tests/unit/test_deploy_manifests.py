@@ -10,8 +10,8 @@
   serves and on the port the node listens on, prefill/decode settings that the KV layout check
   requires to be equal, and a router that lists every prefill/decode pod by a name the headless
   Services give it, with the prefill's bootstrap port.
-- Dockerfiles install the CPU torch pin of the Makefile, the extras of pyproject.toml, and every
-  package the wheel needs; docs/OPERATIONS.md tables match common/envs.py and the launchers.
+- Dockerfiles install their lock (requirements/*.lock, --no-deps), the CPU torch build among the
+  CPU one's, the extras of pyproject.toml, and every package the wheel needs; docs/OPERATIONS.md tables match common/envs.py and the launchers.
 """
 from __future__ import annotations
 
@@ -384,7 +384,7 @@ def test_dockerfile_builds_the_whole_wheel_as_a_non_root_pdcluster_entrypoint(fl
     text = (DOCKER / f"Dockerfile.{flavour}").read_text()
     project = _pyproject()
     assert flavour in project["project"]["optional-dependencies"]
-    assert f"pip install '.[{flavour}]'" in text
+    assert re.search(rf"pip install --no-deps (--no-build-isolation )?'\.\[{flavour}\]'", text)
     # pip builds the wheel from /src: the readme and every package it lists must be copied in.
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     needed = {"pyproject.toml", project["project"]["readme"], *packages}
@@ -392,7 +392,8 @@ def test_dockerfile_builds_the_whole_wheel_as_a_non_root_pdcluster_entrypoint(fl
     ignore = [ln.strip() for ln in (DOCKER / f"Dockerfile.{flavour}.dockerignore").read_text().splitlines()
               if ln.strip() and not ln.startswith("#")]
     assert ignore[0] == "*", "the ignore file must exclude everything, then re-include what is copied"
-    assert all(f"!{n}" in ignore or f"!{n}/" in ignore for n in needed), "the ignore file drops a copied path"
+    assert all(f"!{n}" in ignore or f"!{n}/" in ignore for n in needed | _copied(text)), \
+        "the ignore file drops a copied path"
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0") and users[-1].split(":")[0].isdigit()
     assert re.search(r'^ENTRYPOINT \["pdcluster"\]$', text, re.M)
@@ -400,12 +401,21 @@ def test_dockerfile_builds_the_whole_wheel_as_a_non_root_pdcluster_entrypoint(fl
         assert lib in text
 
 
-def test_cpu_dockerfile_pins_the_makefile_cpu_torch_and_mooncake_libraries() -> None:
+@pytest.mark.parametrize("flavour", ["cpu", "gpu"])
+def test_dockerfile_installs_its_lock_and_nothing_resolved_on_the_side(flavour: str) -> None:
+    text = (DOCKER / f"Dockerfile.{flavour}").read_text()
+    lock = f"requirements/{flavour}.lock"
+    assert lock in _copied(text), f"Dockerfile.{flavour} does not copy {lock}"
+    installs = [ln for ln in text.splitlines() if re.search(r"\bpip install\b", ln)]
+    assert installs and all("--no-deps" in ln for ln in installs), f"every pip install must be --no-deps: {installs}"
+    assert text.index(f"/tmp/{flavour}.lock") < text.index(f"'.[{flavour}]'"), "the lock goes in before the project"
+
+
+def test_cpu_dockerfile_takes_the_cpu_torch_of_the_lock_and_mooncake_libraries() -> None:
     text = (DOCKER / "Dockerfile.cpu").read_text()
-    (pin,) = set(re.findall(r"torch==[0-9][0-9.]*", (ROOT / "Makefile").read_text()))
-    cpu_index = r"--index-url https://download\.pytorch\.org/whl/cpu"
-    assert re.search(rf"pip install {cpu_index} {re.escape(pin)}\s*$", text, re.M), f"no CPU-index install of {pin}"
-    assert text.index(pin) < text.index("pip install '.[cpu]'"), "torch must be installed before the project"
+    assert re.search(r"^torch==[0-9.]+\+cpu$", (ROOT / "requirements" / "cpu.lock").read_text(), re.M)
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu -r /tmp/cpu.lock" in text, \
+        "torch +cpu is on PyTorch's CPU index, not PyPI"
     deps = (ROOT / "scripts" / "install_system_deps.sh").read_text()
     libs = set(re.search(r"apt-get install -y -qq ([^>]+)", deps).group(1).split())  # type: ignore[union-attr]
     assert libs and all(re.search(rf"\b{re.escape(lib)}\b", text) for lib in libs)
