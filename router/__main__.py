@@ -1,18 +1,29 @@
-"""``python -m router``: the least-loaded PD router (not built yet; sglang-router fronts our nodes meanwhile)."""
+"""``python -m router`` / ``pdcluster router``: our least-loaded PD router (see router/app.py)."""
 from __future__ import annotations
 
+import logging
 import sys
+
+from aiohttp import web
+
+from router.app import create_app
+from router.config import ConfigError, parse_config
+
+SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long after SIGTERM
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(
-        "pdcluster router: not yet implemented in this release.\n"
-        "Front the nodes with sglang-router meanwhile:\n"
-        "  python -m sglang_router.launch_router --pd-disaggregation "
-        "--prefill http://P:PORT BOOTSTRAP_PORT --decode http://D:PORT",
-        file=sys.stderr,
-    )
-    return 2
+    try:
+        cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"pdcluster router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not cfg.workers:
+        logging.getLogger("router").warning("no workers given: add them with POST /workers")
+    web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None,
+                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,243 @@
+"""The router's HTTP server (aiohttp): the OpenAI API and ``/generate`` in front of the cluster,
+plus the operator's endpoints.
+
+    POST /generate, /v1/completions, /v1/chat/completions   forwarded to a prefill/decode pair
+    GET  /v1/models                                          a healthy worker's list (cached)
+    GET  /health (= /readiness)                              200 while a prefill and a decode are healthy
+    GET  /liveness                                           200 while this process runs
+    GET  /workers  POST /workers  DELETE /workers?url=U      list, add, drain-and-remove workers
+    POST /flush_cache  POST /abort_request                   fanned out to every worker
+    GET  /server_info /get_server_info /model_info /get_model_info   a healthy node's answer
+    GET  /metrics                                            Prometheus
+
+One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
+health probes and the load polls. Handlers are cancelled when their client disconnects, which
+closes both legs of its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
+from router.forward import ForwardConfig, Forwarder, error_response
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.parse import RouterError, inspect
+from router.policies import make_policy
+from router.rooms import Rooms
+from router.workers import Workers
+
+MAX_BODY_BYTES = 64 * 2**20  # long token-id prompts are large JSON
+MODELS_CACHE_S = 10.0
+
+
+class Router:
+    """Everything one router process holds; built in the app's start-up context."""
+
+    def __init__(self, cfg: RouterConfig, session: aiohttp.ClientSession) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache),
+                         "decode": make_policy(cfg.decode_policy, cfg.cache)}
+        self.workers = Workers(cfg.workers, cfg.health_failure_threshold, self._forget)
+        self.rooms = Rooms()
+        self.metrics = RouterMetrics(self.workers.all)
+        self.forwarder = Forwarder(self.workers, self.policies, self.rooms, session,
+                                   ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s),
+                                   self.metrics)
+        self.models: tuple[float, Any] | None = None  # (when fetched, body)
+
+    def _forget(self, url: str) -> None:
+        for policy in self.policies.values():
+            policy.forget(url)
+
+
+STATE = web.AppKey("router", Router)
+CONFIG = web.AppKey("config", RouterConfig)
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    # No pool limit (the cluster's capacity is the limit); a connect is bounded so a dead host
+    # fails a try in seconds. No total timeout here: each request has its own deadline.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0))
+    router = Router(cfg, session)
+    app[STATE] = router
+    loops = asyncio.create_task(router.workers.run(session, cfg.health_check_interval_s, cfg.load_poll_interval_s,
+                                                   cfg.health_check_timeout_s))
+    try:
+        yield
+    finally:
+        loops.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loops
+        await session.close()
+
+
+# ---- generation --------------------------------------------------------------------------------
+
+
+def _generation(endpoint: str):  # type: ignore[no-untyped-def]
+    async def handler(request: web.Request) -> web.StreamResponse:
+        router = request.app[STATE]
+        try:
+            try:
+                body = json.loads(await request.read())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise RouterError(400, f"the body is not valid JSON: {exc}") from exc
+            info = inspect(endpoint, body)
+        except RouterError as exc:
+            router.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            router.metrics.errors.labels(endpoint, "bad_request").inc()
+            return error_response(exc.status, exc.message)
+        return await router.forwarder.handle(request, endpoint, body, info)
+
+    return handler
+
+
+# ---- health and workers ------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    router = request.app[STATE]
+    counts = {role: len(router.workers.candidates(role)) for role in ROLES}
+    missing = [role for role, n in counts.items() if n == 0]
+    body = {"status": "ok" if not missing else "unavailable", "healthy_prefill": counts["prefill"],
+            "healthy_decode": counts["decode"], "inflight_rooms": len(router.rooms)}
+    if missing:
+        body["message"] = f"no healthy {' and no healthy '.join(missing)} node"
+    return web.json_response(body, status=200 if not missing else 503)
+
+
+async def liveness(_: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    return web.json_response({"workers": [w.as_dict() for w in request.app[STATE].workers.all()]})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    router = request.app[STATE]
+    try:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise ConfigError("the body must be a JSON object")
+        role = body.get("role")
+        if role not in ROLES:
+            raise ConfigError(f"'role' must be one of {list(ROLES)}, got {role!r}")
+        url = check_url(str(body.get("url", "")), "url")
+        port = check_bootstrap_port(body.get("bootstrap_port"), url) if role == "prefill" else None
+        if role == "decode" and body.get("bootstrap_port") is not None:
+            raise ConfigError("a decode node has no bootstrap port")
+    except (ValueError, ConfigError) as exc:
+        return error_response(400, str(exc))
+    try:
+        w = router.workers.add(WorkerSpec(url, role, port))
+    except ValueError as exc:
+        return error_response(409, str(exc))
+    return web.json_response({"added": w.as_dict()})
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    url = request.query.get("url", "").rstrip("/")
+    try:
+        w = request.app[STATE].workers.remove(url)
+    except KeyError:
+        return error_response(404, f"no worker {url!r} (or it is already draining)")
+    return web.json_response({"removed": w.url, "draining_requests": w.inflight})
+
+
+# ---- fan-out and pass-through ---------------------------------------------------------------------
+
+
+async def _call(session: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    try:
+        async with session.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            raw = await r.read()
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, raw.decode(errors="replace")[:500]
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
+async def fan_out(request: web.Request, path: str, body: Any = None) -> web.Response:
+    router = request.app[STATE]
+    workers = router.workers.all()
+    results = await asyncio.gather(*(_call(router.session, "POST", w.url + path, body) for w in workers))
+    per = {w.url: {"role": w.role, "status": s, "body": b} for w, (s, b) in zip(workers, results)}
+    ok = all(r["status"] == 200 for r in per.values())
+    return web.json_response({"success": ok, "workers": per}, status=200 if ok else 502)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    return await fan_out(request, "/flush_cache")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return error_response(400, "the body is not valid JSON")
+    return await fan_out(request, "/abort_request", body)
+
+
+def _from_a_node(path: str):  # type: ignore[no-untyped-def]
+    """GET ``path`` from a healthy decode (else prefill) node and answer with its body."""
+
+    async def handler(request: web.Request) -> web.Response:
+        router = request.app[STATE]
+        for w in router.workers.candidates("decode") + router.workers.candidates("prefill"):
+            status, body = await _call(router.session, "GET", w.url + path)
+            if status == 200:
+                return web.json_response(body)
+        return error_response(503, f"no healthy node answered {path}")
+
+    return handler
+
+
+async def models(request: web.Request) -> web.Response:
+    router = request.app[STATE]
+    if router.models is not None and time.monotonic() - router.models[0] < MODELS_CACHE_S:
+        return web.json_response(router.models[1])
+    resp = await _from_a_node("/v1/models")(request)
+    if resp.status == 200:
+        router.models = (time.monotonic(), json.loads(resp.body))  # type: ignore[arg-type]
+    return resp
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def create_app(cfg: RouterConfig) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[CONFIG] = cfg
+    app.cleanup_ctx.append(_lifecycle)
+    r = app.router
+    r.add_post("/generate", _generation("generate"))
+    r.add_post("/v1/completions", _generation("completions"))
+    r.add_post("/v1/chat/completions", _generation("chat"))
+    r.add_get("/v1/models", models)
+    r.add_get("/health", health)
+    r.add_get("/readiness", health)
+    r.add_get("/liveness", liveness)
+    r.add_get("/workers", list_workers)
+    r.add_post("/workers", add_worker)
+    r.add_delete("/workers", remove_worker)
+    r.add_post("/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        r.add_get(path, _from_a_node(path))
+    r.add_get("/metrics", metrics)
+    return app

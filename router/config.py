@@ -1,0 +1,146 @@
+"""The router's command line and typed configuration (flag shapes as sglang-router's PD mode).
+
+    pdcluster router --host H --port P --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...
+                     [--policy least-loaded|cache-aware|power-of-two|round-robin|random]
+
+Every flag is parsed and checked here, once; the rest of the router takes a ``RouterConfig`` (or
+its own slice of it) and never reads ``argv`` or the environment.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+POLICIES = ("least-loaded", "cache-aware", "power-of-two", "round-robin", "random")
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str  # base URL, no trailing slash
+    role: str  # "prefill" | "decode"
+    bootstrap_port: int | None = None  # prefill only; None: the node's default
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    threshold: float = 0.5  # matched share of a prompt at which its prefix owner gets it
+    balance_abs_threshold: int = 32  # ... unless it has this many more requests than the least loaded
+    max_tree_chars: int = 2_000_000  # prompt characters remembered in all (LRU eviction)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: tuple[WorkerSpec, ...] = ()
+    prefill_policy: str = "least-loaded"
+    decode_policy: str = "least-loaded"
+    request_timeout_s: float = 600.0  # one client request, retries included
+    max_retries: int = 2  # tries after the first, while no byte reached the client
+    retry_budget_s: float = 30.0  # no new try starts later than this after the request arrived
+    health_check_interval_s: float = 1.0
+    health_failure_threshold: int = 2  # failed probes in a row before a worker leaves rotation
+    health_check_timeout_s: float = 2.0
+    load_poll_interval_s: float = 1.0
+    cache: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    log_level: str = "info"
+
+
+class ConfigError(ValueError):
+    """A flag value the router cannot run with; the message names the flag."""
+
+
+def check_url(url: str, what: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what}: {url!r} is not an http(s) URL with a host")
+    try:
+        parts.port  # noqa: B018  (raises ValueError for a bad port)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {url!r} has a bad port") from exc
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{what}: {url!r} must be a base URL (no path, query or fragment)")
+    return url.rstrip("/")
+
+
+def check_bootstrap_port(value: object, what: str) -> int | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        return None
+    try:
+        port = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what}: bootstrap port {value!r} is not a number") from exc
+    if isinstance(value, bool) or not 0 < port < 65536:
+        raise ConfigError(f"{what}: bootstrap port {value!r} is not in 1..65535")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdcluster router", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                    help="a prefill node and, optionally, its bootstrap port (repeat per node)")
+    ap.add_argument("--decode", nargs=1, action="append", default=[], metavar="URL",
+                    help="a decode node (repeat per node)")
+    ap.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang-router compatibility")
+    ap.add_argument("--policy", choices=POLICIES, default="least-loaded", help="for both roles")
+    ap.add_argument("--prefill-policy", choices=POLICIES, help="overrides --policy for prefill nodes")
+    ap.add_argument("--decode-policy", choices=POLICIES, help="overrides --policy for decode nodes")
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    ap.add_argument("--max-retries", type=int, default=2)
+    ap.add_argument("--retry-budget-s", type=float, default=30.0)
+    ap.add_argument("--health-check-interval-s", type=float, default=1.0)
+    ap.add_argument("--health-failure-threshold", type=int, default=2)
+    ap.add_argument("--health-check-timeout-s", type=float, default=2.0)
+    ap.add_argument("--load-poll-interval-s", type=float, default=1.0)
+    ap.add_argument("--cache-threshold", type=float, default=0.5)
+    ap.add_argument("--balance-abs-threshold", type=int, default=32)
+    ap.add_argument("--max-tree-chars", type=int, default=2_000_000)
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return ap
+
+
+def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    workers: list[WorkerSpec] = []
+    for entry in ns.prefill:
+        if len(entry) > 2:
+            raise ConfigError(f"--prefill takes a URL and at most one bootstrap port, got {entry}")
+        url = check_url(entry[0], "--prefill")
+        workers.append(WorkerSpec(url, "prefill", check_bootstrap_port(entry[1] if len(entry) > 1 else None,
+                                                                       f"--prefill {url}")))
+    workers += [WorkerSpec(check_url(d[0], "--decode"), "decode") for d in ns.decode]
+    urls = [w.url for w in workers]
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"a worker is listed twice: {sorted(u for u in urls if urls.count(u) > 1)}")
+    positive = {"--request-timeout-s": ns.request_timeout_s, "--retry-budget-s": ns.retry_budget_s,
+                "--health-check-interval-s": ns.health_check_interval_s,
+                "--health-check-timeout-s": ns.health_check_timeout_s,
+                "--load-poll-interval-s": ns.load_poll_interval_s, "--health-failure-threshold": ns.health_failure_threshold,
+                "--max-tree-chars": ns.max_tree_chars}
+    for flag, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    if ns.max_retries < 0 or ns.balance_abs_threshold < 0:
+        raise ConfigError("--max-retries and --balance-abs-threshold must be >= 0")
+    if not 0.0 <= ns.cache_threshold <= 1.0:
+        raise ConfigError(f"--cache-threshold must be in [0, 1], got {ns.cache_threshold}")
+    if not 0 <= ns.port < 65536:
+        raise ConfigError(f"--port {ns.port} is not a port number")
+    return RouterConfig(
+        host=ns.host, port=ns.port, workers=tuple(workers),
+        prefill_policy=ns.prefill_policy or ns.policy, decode_policy=ns.decode_policy or ns.policy,
+        request_timeout_s=ns.request_timeout_s, max_retries=ns.max_retries, retry_budget_s=ns.retry_budget_s,
+        health_check_interval_s=ns.health_check_interval_s, health_failure_threshold=ns.health_failure_threshold,
+        health_check_timeout_s=ns.health_check_timeout_s, load_poll_interval_s=ns.load_poll_interval_s,
+        cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
+        log_level=ns.log_level)
+
+
+def parse_config(argv: list[str]) -> RouterConfig:
+    """The configuration of ``argv``; ``SystemExit(2)`` with argparse's message on a bad flag,
+    ``ConfigError`` on a bad value."""
+    return config_from_args(build_parser().parse_args(argv))

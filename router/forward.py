@@ -1,0 +1,322 @@
+"""One client request through the cluster: pick a pair, send both legs, answer, retry.
+
+    for each try (at most 1 + max_retries, none started after retry_budget_s):
+      pick P (prefill policy) and D (decode policy) among healthy workers   none: 503
+      reserve rooms (one per sequence)            released when the try ends, on every path
+      POST P and D at once: the same body + bootstrap_host/port/room; P is asked for JSON
+      wait for both answers' status (P's whole body; D's status line, which a streaming node
+      sends only with its first output):
+        a connection error          -> that worker leaves rotation; try again
+        a 5xx from either           -> try again, preferring other workers
+        a 4xx                       -> the client gets it as it is (bad input fails everywhere)
+        P 200 and D 200             -> committed: no retry from here on
+      stream: D's SSE frames are written to the client as they arrive; if D dies mid-stream the
+              client gets an SSE error event and [DONE], not a hang
+      JSON:   D's body (with P's input logprobs merged in for /generate), once it is whole
+    the request timeout bounds all of it (504); a client that disconnects cancels the handler,
+    which closes both legs, and the nodes abort the request and free what it held.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from router.metrics import RouterMetrics
+from router.parse import RequestInfo, RouterError, bootstrap_fields
+from router.policies import Policy
+from router.rooms import Rooms
+from router.workers import Worker, Workers
+
+log = logging.getLogger("router.forward")
+
+PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
+
+
+def error_body(status: int, message: str) -> dict:
+    """The nodes' error shape (OpenAI's), so clients parse one kind of error."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+            504: "GatewayTimeoutError"}.get(status, "Error")
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return web.json_response(error_body(status, message), status=status)
+
+
+@dataclass
+class Failure:
+    """Why one try failed, and whether another may follow."""
+
+    reason: str
+    retryable: bool
+    blame: tuple[Worker, ...] = ()  # prefer other workers next time
+    response: web.Response | None = None  # the client's answer as it is (a node's 4xx, a 504)
+    kind: str = "node_5xx"  # the errors metric's reason label
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    request_timeout_s: float
+    max_retries: int
+    retry_budget_s: float
+
+
+class Forwarder:
+    def __init__(self, workers: Workers, policies: dict[str, Policy], rooms: Rooms, session: aiohttp.ClientSession,
+                 cfg: ForwardConfig, metrics: RouterMetrics) -> None:
+        self._workers = workers
+        self._policies = policies
+        self._rooms = rooms
+        self._session = session
+        self._cfg = cfg
+        self._metrics = metrics
+
+    # ---- the request ---------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo) -> web.StreamResponse:
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._cfg.request_timeout_s
+        avoid: set[str] = set()
+        failure: Failure | None = None
+        for attempt in range(self._cfg.max_retries + 1):
+            if attempt:
+                if time.monotonic() - t0 > self._cfg.retry_budget_s:
+                    break
+                self._metrics.retries.labels(endpoint).inc()
+            try:
+                p, d = self._pick("prefill", info.key, avoid), self._pick("decode", None, avoid)
+            except RouterError as exc:
+                if failure is None:
+                    return self._finish(endpoint, t0, error_response(exc.status, exc.message), "no_worker")
+                break  # report the failure that emptied the rotation, not the empty rotation
+            leg_body = self._with_rid(body, attempt)
+            with self._workers.busy(p, d), self._rooms.hold(info.sequences) as room:
+                self._policies["prefill"].on_routed(p, info.key)
+                self._policies["decode"].on_routed(d, None)
+                result = await self._try(request, endpoint, leg_body, info, p, d, room, t0, deadline)
+            if not isinstance(result, Failure):
+                return result
+            failure = result
+            log.info("try %d of %s via %s + %s failed: %s", attempt + 1, endpoint, p.url, d.url, failure.reason)
+            if failure.response is not None:
+                return self._finish(endpoint, t0, failure.response, failure.kind)
+            if not failure.retryable:
+                break
+            avoid.update(w.url for w in failure.blame)
+        assert failure is not None
+        return self._finish(endpoint, t0, error_response(502, f"the request failed on every try: {failure.reason}"),
+                            "exhausted")
+
+    def _pick(self, role: str, key: str | None, avoid: set[str]) -> Worker:
+        candidates = self._workers.candidates(role)
+        if not candidates:
+            raise RouterError(503, f"no healthy {role} node: the cluster cannot serve requests now")
+        preferred = [w for w in candidates if w.url not in avoid] or candidates
+        return self._policies[role].pick(preferred, key)
+
+    @staticmethod
+    def _with_rid(body: dict, attempt: int) -> dict:
+        """A client's rid is kept; a retry suffixes it, since the first try's prefill may still run it."""
+        rid = body.get("rid")
+        if attempt == 0 or rid is None:
+            return body
+        if isinstance(rid, list):
+            return {**body, "rid": [f"{r}-retry{attempt}" for r in rid]}
+        return {**body, "rid": f"{rid}-retry{attempt}"}
+
+    def _finish(self, endpoint: str, t0: float, resp: web.StreamResponse, reason: str | None = None) -> web.StreamResponse:
+        self._metrics.requests.labels(endpoint, str(resp.status)).inc()
+        if resp.status >= 400 and reason is not None:
+            self._metrics.errors.labels(endpoint, reason).inc()
+        self._metrics.latency.labels(endpoint).observe(time.monotonic() - t0)
+        return resp
+
+    # ---- one try -------------------------------------------------------------------------------
+
+    async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker, d: Worker,
+                   room: int, t0: float, deadline: float) -> web.StreamResponse | Failure:
+        boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
+        pbody = {**body, **boot, "stream": False}
+        pbody.pop("stream_options", None)
+        dbody = {**body, **boot}
+        path = PATHS[endpoint]
+        prefill = asyncio.create_task(self._prefill(p, path, pbody))
+        decode = asyncio.create_task(self._open(d, path, dbody))
+        d_resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    pending: set[asyncio.Task] = {prefill, decode}
+                    p_answer: dict | list | None = None
+                    while pending:
+                        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        for task in done:
+                            outcome = task.result()
+                            if isinstance(outcome, Failure):
+                                return outcome
+                            if task is decode:
+                                d_resp = outcome
+                            else:
+                                p_answer = outcome
+                    assert d_resp is not None
+                    if not info.stream:
+                        try:
+                            raw = await d_resp.read()
+                        except _CONNECTION_ERRORS as exc:
+                            self._workers.mark_failed(d, f"{type(exc).__name__}: {exc}")
+                            return Failure(f"decode {d.url} broke off its answer: {type(exc).__name__}", True, (d,))
+                        out = _merge_input_logprobs(endpoint, raw, p_answer)
+                        self._metrics.ttft.labels(endpoint).observe(time.monotonic() - t0)
+                        resp = web.Response(body=out, status=200, content_type="application/json")
+                        return self._finish(endpoint, t0, resp)
+            except TimeoutError:
+                msg = f"no complete answer within the router's request timeout ({self._cfg.request_timeout_s:g} s)"
+                return Failure(msg, False, response=error_response(504, msg), kind="timeout")
+            return await self._pipe(request, endpoint, d, d_resp, t0, deadline)
+        finally:
+            for task in (prefill, decode):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(prefill, decode, return_exceptions=True)
+            if decode.done() and not decode.cancelled() and isinstance(decode.result(), aiohttp.ClientResponse):
+                decode.result().close()  # not read to its end (a failure, a disconnect): drop the connection
+
+    async def _prefill(self, p: Worker, path: str, body: dict) -> dict | list | None | Failure:
+        """The prefill node's whole answer (its KV is in the decode's pages by then), or why not."""
+        try:
+            async with self._session.post(p.url + path, json=body) as r:
+                raw = await r.read()
+                status = r.status
+        except _CONNECTION_ERRORS as exc:
+            self._workers.mark_failed(p, f"{type(exc).__name__}: {exc}")
+            return Failure(f"prefill {p.url}: {type(exc).__name__}: {exc}", True, (p,))
+        return _judge("prefill", p, status, raw)
+
+    async def _open(self, d: Worker, path: str, body: dict) -> aiohttp.ClientResponse | Failure:
+        """The decode's response once its status line is in (its body still to read), or why not."""
+        try:
+            r = await self._session.post(d.url + path, json=body)
+        except _CONNECTION_ERRORS as exc:
+            self._workers.mark_failed(d, f"{type(exc).__name__}: {exc}")
+            return Failure(f"decode {d.url}: {type(exc).__name__}: {exc}", True, (d,))
+        if r.status == 200:
+            return r
+        try:
+            raw = await r.read()
+        except _CONNECTION_ERRORS:
+            raw = b""
+        finally:
+            r.release()
+        judged = _judge("decode", d, r.status, raw)
+        assert isinstance(judged, Failure)
+        return judged
+
+    async def _pipe(self, request: web.Request, endpoint: str, d: Worker, d_resp: aiohttp.ClientResponse,
+                    t0: float, deadline: float) -> web.StreamResponse:
+        """Pass the decode's SSE stream on, frame by frame, as it arrives. Committed: a failure
+        from here on reaches the client as an SSE error event, then [DONE]."""
+        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await resp.prepare(request)
+        buf = bytearray()
+        first, finished = True, False
+        error: tuple[int, str, str] | None = None  # status, message, metric reason
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for chunk in d_resp.content.iter_any():
+                    buf += chunk
+                    end = buf.rfind(b"\n\n")
+                    if end < 0:
+                        continue
+                    frames = bytes(buf[:end + 2])
+                    del buf[:end + 2]
+                    await _write_to_client(resp, frames)
+                    if first:
+                        self._metrics.ttft.labels(endpoint).observe(time.monotonic() - t0)
+                        first = False
+                    finished = frames.endswith(DONE)
+            if not finished:
+                raise ConnectionError("the stream closed before [DONE]")
+        except TimeoutError:
+            error = (504, f"the stream outlived the router's request timeout ({self._cfg.request_timeout_s:g} s)",
+                     "timeout")
+        except _CONNECTION_ERRORS as exc:
+            self._workers.mark_failed(d, f"mid-stream: {type(exc).__name__}: {exc}")
+            error = (502, f"the decode node {d.url} failed mid-stream: {type(exc).__name__}: {exc}",
+                     "decode_mid_stream")
+        except ClientGone:
+            # The handler's finally closes the decode leg: the node aborts the request.
+            error = (499, "the client closed the stream", "client_gone")
+        status, msg, reason = error or (200, "", "")
+        if error is not None:
+            self._metrics.errors.labels(endpoint, reason).inc()
+        with contextlib.suppress(ClientGone, ConnectionError):
+            if error is not None and reason != "client_gone":
+                await _write_to_client(resp, b"data: " + json.dumps(error_body(status, msg)).encode() + b"\n\n" + DONE)
+            await resp.write_eof()
+        self._finish(endpoint, t0, resp)
+        return resp
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-stream: nothing more to tell it."""
+
+
+async def _write_to_client(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone(str(exc)) from exc
+
+
+def _judge(role: str, w: Worker, status: int, raw: bytes) -> dict | list | None | Failure:
+    """A node's whole answer: the parsed body if 200, else the Failure it means."""
+    if status == 200:
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None  # an SSE answer (a node asked for a stream anyway): only its status counts
+    text = raw.decode(errors="replace")[:500]
+    try:
+        err = json.loads(raw)
+        msg = str(err["error"]["message"]) if isinstance(err, dict) and isinstance(err.get("error"), dict) else text
+    except ValueError:
+        msg = text
+    if 400 <= status < 500:
+        return Failure(f"{role} {w.url} refused the request ({status}): {msg}", False,
+                       response=web.Response(body=raw, status=status, content_type="application/json"))
+    return Failure(f"{role} {w.url} answered {status}: {msg}", True, (w,))
+
+
+def _merge_input_logprobs(endpoint: str, raw: bytes, prefill: object) -> bytes:
+    """/generate with return_logprob: the prompt's logprobs are computed on the prefill node, so
+    the decode's meta_info lacks them; copy the prefill's ``input_*`` entries in (as sglang-router
+    does). Anything else passes through byte for byte."""
+    if endpoint != "generate" or prefill is None:
+        return raw
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return raw
+    pairs = list(zip(out, prefill)) if isinstance(out, list) and isinstance(prefill, list) else [(out, prefill)]
+    changed = False
+    for d_item, p_item in pairs:
+        dm = d_item.get("meta_info") if isinstance(d_item, dict) else None
+        pm = p_item.get("meta_info") if isinstance(p_item, dict) else None
+        if not isinstance(dm, dict) or not isinstance(pm, dict):
+            continue
+        for k, v in pm.items():
+            if k.startswith("input_") and "logprob" in k and v and not dm.get(k):
+                dm[k] = v
+                changed = True
+    return json.dumps(out).encode() if changed else raw

@@ -1,0 +1,182 @@
+"""The router's view of its workers: health, load, in-flight counts, joining and leaving.
+
+    added (healthy=False) --first good probe--> healthy --threshold bad probes, or a connection
+      ^                                           |        error while forwarding--> unhealthy
+      |                                           |                                   |
+      |                                           `<-------- a good probe ------------'
+    DELETE /workers: draining (no new requests) --last in-flight request ends--> forgotten
+
+Two background loops share the router's one HTTP session: every ``health_check_interval_s`` a
+``GET /health`` to each worker (2xx = healthy), and every ``load_poll_interval_s`` a
+``GET /get_load`` to each healthy one. A worker's load is the router's own in-flight count plus
+what the node reports beyond it (requests other routers or clients sent it directly).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from router.config import WorkerSpec
+
+log = logging.getLogger("router.workers")
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str  # "prefill" | "decode"
+    bootstrap_port: int | None = None
+    healthy: bool = False  # until the first good probe
+    draining: bool = False  # removed: no new requests, in-flight ones finish
+    inflight: int = 0  # requests this router has on it now
+    routed: int = 0  # requests this router ever sent it (attempts)
+    failures: int = 0  # bad probes in a row
+    last_error: str | None = None
+    polled_reqs: int = 0  # the node's own count at the last /get_load
+    inflight_at_poll: int = 0  # ours at that moment, so the difference is load we did not send
+
+    @property
+    def load(self) -> int:
+        return self.inflight + max(0, self.polled_reqs - self.inflight_at_poll)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    def as_dict(self) -> dict:
+        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
+                "draining": self.draining, "load": self.load, "inflight": self.inflight, "routed": self.routed,
+                "node_reqs": self.polled_reqs, "last_error": self.last_error}
+
+
+class Workers:
+    """The worker set. ``on_forget(url)`` runs when a worker leaves for good (policies drop it)."""
+
+    def __init__(self, specs: tuple[WorkerSpec, ...], failure_threshold: int, on_forget: Callable[[str], None]) -> None:
+        self._by_url: dict[str, Worker] = {}
+        self._threshold = failure_threshold
+        self._on_forget = on_forget
+        self.changed = asyncio.Event()  # set when health or membership changes (probes kick in at once)
+        for spec in specs:
+            self.add(spec)
+
+    # ---- membership ------------------------------------------------------------------------------
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        old = self._by_url.get(spec.url)
+        if old is not None and not old.draining:
+            raise ValueError(f"worker {spec.url} is already registered as {old.role}")
+        if old is not None:  # re-added while draining: it stays, with its in-flight requests
+            old.role, old.bootstrap_port, old.draining = spec.role, spec.bootstrap_port, False
+            return old
+        w = Worker(spec.url, spec.role, spec.bootstrap_port)
+        self._by_url[spec.url] = w
+        self.changed.set()
+        return w
+
+    def remove(self, url: str) -> Worker:
+        """Start draining ``url``; it is forgotten once its last in-flight request ends."""
+        w = self._by_url.get(url)
+        if w is None or w.draining:
+            raise KeyError(url)
+        w.draining = True
+        self._forget_if_drained(w)
+        return w
+
+    def _forget_if_drained(self, w: Worker) -> None:
+        if w.draining and w.inflight == 0 and self._by_url.get(w.url) is w:
+            del self._by_url[w.url]
+            self._on_forget(w.url)
+
+    def all(self) -> list[Worker]:
+        return list(self._by_url.values())
+
+    def get(self, url: str) -> Worker | None:
+        return self._by_url.get(url)
+
+    def candidates(self, role: str) -> list[Worker]:
+        return [w for w in self._by_url.values() if w.role == role and w.healthy and not w.draining]
+
+    # ---- request accounting ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def busy(self, *workers: Worker):  # type: ignore[no-untyped-def]
+        for w in workers:
+            w.inflight += 1
+            w.routed += 1
+        try:
+            yield
+        finally:
+            for w in workers:
+                w.inflight -= 1
+                self._forget_if_drained(w)
+
+    def mark_failed(self, w: Worker, reason: str) -> None:
+        """A connection to ``w`` failed while forwarding: out of rotation until a probe succeeds."""
+        if w.healthy:
+            log.warning("worker %s (%s) leaves rotation: %s", w.url, w.role, reason)
+        w.healthy, w.failures, w.last_error = False, max(w.failures, self._threshold), reason
+        self.changed.set()
+
+    # ---- probes ----------------------------------------------------------------------------------
+
+    def probed(self, w: Worker, ok: bool, reason: str | None = None) -> None:
+        if ok:
+            if not w.healthy:
+                log.info("worker %s (%s) is healthy", w.url, w.role)
+            w.healthy, w.failures, w.last_error = True, 0, None
+            return
+        w.failures += 1
+        w.last_error = reason
+        if w.healthy and w.failures >= self._threshold:
+            log.warning("worker %s (%s) leaves rotation after %d failed probes: %s", w.url, w.role, w.failures, reason)
+            w.healthy = False
+
+    async def check_health(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        async def one(w: Worker) -> None:
+            try:
+                async with session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    await r.read()
+                    self.probed(w, 200 <= r.status < 300, None if r.status < 300 else f"/health answered {r.status}")
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                self.probed(w, False, f"/health: {type(exc).__name__}: {exc}")
+
+        await asyncio.gather(*(one(w) for w in self.all()))
+
+    async def poll_load(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        async def one(w: Worker) -> None:
+            at_send = w.inflight
+            try:
+                async with session.get(w.url + "/get_load", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    body = await r.json(content_type=None) if r.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                return  # the health loop judges liveness; a missed poll keeps the last figure
+            if isinstance(body, list) and body and isinstance(body[0], dict):
+                reqs = sum(int(d.get("num_reqs", 0) or 0) for d in body if isinstance(d, dict))
+                w.polled_reqs, w.inflight_at_poll = reqs, min(at_send, w.inflight)
+
+        await asyncio.gather(*(one(w) for w in self.all() if w.healthy))
+
+    async def run(self, session: aiohttp.ClientSession, health_interval_s: float, load_interval_s: float,
+                  timeout_s: float) -> None:
+        """The two loops, until cancelled. A membership change probes at once, not a period later."""
+
+        async def health_loop() -> None:
+            while True:
+                self.changed.clear()
+                await self.check_health(session, timeout_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), health_interval_s)
+
+        async def load_loop() -> None:
+            while True:
+                await self.poll_load(session, timeout_s)
+                await asyncio.sleep(load_interval_s)
+
+        await asyncio.gather(health_loop(), load_loop())
