@@ -30,18 +30,18 @@ $(VENV)/.installed: pyproject.toml $(LOCK) scripts/install_system_deps.sh
 lock:
 	scripts/lock.sh
 
-# sglang-router 0.3.2 (requirements/router.lock), the real front door tests/e2e/test_sglang_router.py
+# sglang-router 0.3.2 (requirements/sglang-router.lock), the real front door tests/e2e/test_sglang_router.py
 # puts in front of our nodes, in a venv of its own so its pins never meet ours; our venv's pip
 # installs it (a fresh venv's bundled pip took twice as long). Best effort: if the install fails
 # (no network), the tests still run and that one skips, saying why; the next `make test` tries again.
 router-venv: $(ROUTER_VENV)/.installed
 
-$(ROUTER_VENV)/.installed: requirements/router.lock | $(VENV)/.installed
+$(ROUTER_VENV)/.installed: requirements/sglang-router.lock | $(VENV)/.installed
 	@rm -rf $(ROUTER_VENV)
 	@$(PYTHON) -m venv --without-pip $(ROUTER_VENV) && echo '*' > $(ROUTER_VENV)/.gitignore \
-	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python install -q --no-deps -r requirements/router.lock \
+	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python install -q --no-deps -r requirements/sglang-router.lock \
 	  && $(BIN)/pip --python $(ROUTER_VENV)/bin/python check && touch $@ \
-	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing requirements/router.lock failed;" \
+	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing requirements/sglang-router.lock failed;" \
 	       "tests/e2e/test_sglang_router.py will skip" >&2; }
 
 test: setup router-venv

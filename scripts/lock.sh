@@ -7,7 +7,8 @@
 #                             (make setup, .ci/run, deploy/docker/Dockerfile.cpu)
 #   requirements/gpu.lock     what deploy/docker/Dockerfile.gpu installs on top of its CUDA PyTorch
 #                             base: pyproject.toml + [gpu], without torch (gpu-overrides.txt)
-#   requirements/router.lock  the sglang-router venv (make router-venv)
+#   requirements/router.lock  our router's image: its few dependencies at cpu.lock's versions
+#   requirements/sglang-router.lock  the sglang-router venv (make router-venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV_VERSION=0.13.9
@@ -30,5 +31,6 @@ compile() {  # <python version> <output> <inputs and flags...>
 compile 3.11 requirements/cpu.lock pyproject.toml requirements/cpu.in --extra cpu --extra test "${src[@]}"
 # NVIDIA's PyTorch images run Python 3.12.
 compile 3.12 requirements/gpu.lock pyproject.toml --extra gpu --override requirements/gpu-overrides.txt
-compile 3.11 requirements/router.lock requirements/router.in
-echo "locks written: requirements/{cpu,gpu,router}.lock"
+compile 3.11 requirements/router.lock requirements/router.in -c requirements/cpu.lock
+compile 3.11 requirements/sglang-router.lock requirements/sglang-router.in
+echo "locks written: requirements/{cpu,gpu,router,sglang-router}.lock"

@@ -190,9 +190,11 @@ def test_every_pdcluster_container_in_every_file_has_valid_args(tmp_path: Path) 
                 seen.add(argv[0])
                 if argv[0] in ("prefill", "decode"):
                     _parse_node(argv[0], argv[1:])
+                elif argv[0] == "router":
+                    _parse_our_router(argv[1:])
                 elif argv[0] == "make-tiny-model":
                     _check_tiny_model(argv[1:], tmp_path)
-    assert {"prefill", "decode", "make-tiny-model"} <= seen
+    assert {"prefill", "decode", "router", "make-tiny-model"} <= seen
 
 
 # -- rendered overlays ------------------------------------------------------------------------------
@@ -306,6 +308,25 @@ def test_overlay_prefill_and_decode_can_exchange_kv(overlay: Path) -> None:
     assert penv.get("PDC_MOONCAKE_PROTOCOL") == denv.get("PDC_MOONCAKE_PROTOCOL")
 
 
+def _parse_our_router(argv: list[str]) -> tuple[list[tuple[str, int | None]], list[str]]:
+    """(prefill (url, bootstrap port) list, decode url list) as our router's parser reads them."""
+    from router.config import ConfigError, parse_config
+
+    try:
+        cfg = parse_config(argv)
+    except (SystemExit, ConfigError) as exc:
+        raise AssertionError(f"pdcluster router rejects the manifest's args {argv}: {exc}") from exc
+    return ([(w.url, w.bootstrap_port) for w in cfg.workers if w.role == "prefill"],
+            [w.url for w in cfg.workers if w.role == "decode"])
+
+
+def _router_routes() -> set[str]:
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    return {r.resource.canonical for r in create_app(RouterConfig()).router.routes() if r.method == "GET"}
+
+
 def _router_workers(argv: list[str]) -> tuple[list[tuple[str, int | None]], list[str]]:
     """(prefill (url, bootstrap port) list, decode url list) as sglang-router parses them."""
     try:
@@ -336,11 +357,20 @@ def _router_workers(argv: list[str]) -> tuple[list[tuple[str, int | None]], list
 def test_router_lists_every_pod_by_its_stable_name(overlay: Path) -> None:
     r = _render(overlay)
     nodes = r.nodes()
-    routers = [c for dep in r.by_kind.get("Deployment", {}).values()
-               for c in dep["spec"]["template"]["spec"]["containers"]
-               if c.get("command", [])[-1:] == ["sglang_router.launch_router"]]
-    assert len(routers) == 1, "one sglang-router container expected"
-    prefill, decode = _router_workers([str(a) for a in routers[0]["args"]])
+    containers = [c for dep in r.by_kind.get("Deployment", {}).values()
+                  for c in dep["spec"]["template"]["spec"]["containers"]]
+    ours = [c for c in containers if c.get("command") == ["pdcluster", "router"]]
+    sglang = [c for c in containers if c.get("command", [])[-1:] == ["sglang_router.launch_router"]]
+    assert len(ours) + len(sglang) == 1, "one router container expected (ours or sglang-router)"
+    router = (ours or sglang)[0]
+    args = [str(a) for a in router["args"]]
+    prefill, decode = _parse_our_router(args) if ours else _router_workers(args)
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    for kind in ("readinessProbe", "livenessProbe"):
+        probe = router[kind]["httpGet"]
+        assert ports.get(probe["port"], probe["port"]) == 8000
+        if ours:
+            assert probe["path"] in _router_routes(), f"router {kind} path {probe['path']} is not a router route"
     listed = {"prefill": [(u, b) for u, b in prefill], "decode": [(u, None) for u in decode]}
     for role, (sts, _c, ns, _env) in nodes.items():
         svc_name = sts["spec"]["serviceName"]
@@ -428,11 +458,19 @@ def test_gpu_dockerfile_starts_from_a_cuda_pytorch_image() -> None:
     assert base and ("nvidia" in base.group(1) or "cuda" in base.group(1)) and "FROM ${BASE_IMAGE}" in text
 
 
-def test_router_image_is_the_sglang_router_the_manifests_name() -> None:
+def test_router_image_is_ours_without_torch_and_the_sglang_component_names_its_own() -> None:
     text = (DOCKER / "Dockerfile.router").read_text()
-    (version,) = re.findall(r"sglang-router==([0-9.]+)", text)
+    assert re.search(r'^ENTRYPOINT \["pdcluster", "router"\]$', text, re.M)
+    assert "pip install --no-deps -r /tmp/router.lock" in text and "requirements/router.lock" in _copied(text)
+    assert all("--no-deps" in ln for ln in text.splitlines() if re.search(r"\bpip install\b", ln))
     images = {c["image"] for d in _load(K8S / "base" / "router.yaml") for c in _containers(d)}
-    assert images == {f"pdcluster-router:sglang-router-{version}"}
+    assert images == {"pdcluster-router"}
+    sglang = (DOCKER / "Dockerfile.sglang-router").read_text()
+    assert "-r /tmp/sglang-router.lock" in sglang
+    (version,) = re.findall(r"^sglang-router==([0-9.]+)$", (ROOT / "requirements" / "sglang-router.lock").read_text(),
+                            re.M)
+    component = (K8S / "components" / "sglang-router" / "kustomization.yaml").read_text()
+    assert f"pdcluster-router:sglang-router-{version}" in component
 
 
 # -- docs/OPERATIONS.md --------------------------------------------------------------------------

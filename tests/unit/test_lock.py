@@ -62,7 +62,8 @@ def in_file_names(path: Path) -> set[str]:
             for ln in path.read_text().splitlines() if ln.split("#")[0].strip()}
 
 
-def check_lock(lock: Path, extras: tuple[str, ...], in_files: tuple[Path, ...], drop: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+def check_lock(lock: Path, extras: tuple[str, ...], in_files: tuple[Path, ...], drop: set[str] = frozenset(),  # type: ignore[assignment]
+               constraints: tuple[Path, ...] = ()) -> None:
     pins = parse_lock(lock)
     declared = {canonicalize_name(r.name): r for r in pyproject_requirements(extras)}
     for name in drop:
@@ -75,7 +76,8 @@ def check_lock(lock: Path, extras: tuple[str, ...], in_files: tuple[Path, ...], 
         assert PYPROJECT in via, f"{lock.name}: {name} is in pyproject.toml but the lock does not say so"
     # Roots: what pyproject.toml and the .in files ask for; everything else hangs off a pinned parent.
     roots = set(declared)
-    reasons = {PYPROJECT} | {f"-r requirements/{p.name}" for p in in_files}
+    reasons = ({PYPROJECT} | {f"-r requirements/{p.name}" for p in in_files}
+               | {f"-c requirements/{p.name}" for p in constraints})
     for p in in_files:
         roots |= in_file_names(p)
     for name, (_, via) in pins.items():
@@ -110,12 +112,20 @@ def test_gpu_lock_matches_pyproject_without_torch() -> None:
         "the GPU image keeps its base's CUDA torch: the lock must not bring its own"
 
 
-def test_router_lock_pins_the_sglang_router_the_tests_measure() -> None:
+def test_sglang_router_lock_pins_the_version_the_tests_measure() -> None:
     from tests.e2e.test_sglang_router import ROUTER_VERSION
 
-    check_lock(REQ / "router.lock", (), (REQ / "router.in",), drop=set(
+    check_lock(REQ / "sglang-router.lock", (), (REQ / "sglang-router.in",), drop=set(
         canonicalize_name(r.name) for r in pyproject_requirements(())))
-    assert parse_lock(REQ / "router.lock")["sglang-router"][0] == ROUTER_VERSION
+    assert parse_lock(REQ / "sglang-router.lock")["sglang-router"][0] == ROUTER_VERSION
+
+
+def test_router_image_lock_holds_the_cpu_locks_versions() -> None:
+    check_lock(REQ / "router.lock", (), (REQ / "router.in",), drop=set(
+        canonicalize_name(r.name) for r in pyproject_requirements(())), constraints=(REQ / "cpu.lock",))
+    cpu = parse_lock(REQ / "cpu.lock")
+    for name, (version, _) in parse_lock(REQ / "router.lock").items():
+        assert cpu[name][0] == version, f"router.lock pins {name}=={version}, cpu.lock {cpu[name][0]}"
 
 
 def test_check_lock_catches_a_dependency_on_one_side_only(tmp_path: Path) -> None:
