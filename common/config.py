@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from common import envs
+from common.cpu_budget import CpuConfig
 
 
 class ConfigError(ValueError):
@@ -130,10 +131,15 @@ class NodeConfig:
     attention: AttentionConfig = AttentionConfig()
     transfer: TransferConfig = TransferConfig()
     server: ServerConfig = ServerConfig()
+    cpu: CpuConfig = CpuConfig()
 
     def validate(self) -> None:
         for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server):
             part.validate()
+        try:
+            self.cpu.validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 def resolve_device(device: str) -> str:

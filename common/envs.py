@@ -42,6 +42,8 @@ HUNG_PEER_QUARANTINE_S = EnvVar("PDC_HUNG_PEER_QUARANTINE_S", 10.0, "hold pages 
 IDLE_PEER_PURGE_S = EnvVar("PDC_IDLE_PEER_PURGE_S", 60.0, "prefill forgets a silent decode peer after this long")
 MOONCAKE_TRANSFER_TIMEOUT_S = EnvVar("PDC_MOONCAKE_TRANSFER_TIMEOUT_S", 5.0, "seconds one mooncake write may block on a hung peer (floor 5)")
 MOONCAKE_PROTOCOL = EnvVar("PDC_MOONCAKE_PROTOCOL", "auto", "mooncake protocol: auto, rdma, tcp")
+CPU_THREADS = EnvVar("PDC_CPU_THREADS", 0, "torch threads of a node's scheduler process (0: the cores it may use); --cpu-threads wins")
+CPU_BIND = EnvVar("PDC_CPU_BIND", "", "cores to pin a node's scheduler process to, e.g. 0-3 (empty: no pinning); --cpu-bind wins")
 MOONCAKE_DEVICE = EnvVar("PDC_MOONCAKE_DEVICE", "", "RDMA device names for mooncake (empty: auto)")
 
 

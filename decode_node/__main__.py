@@ -27,6 +27,7 @@ from common.server.node_launch import (
     StartupError,
     add_node_flags,
     attention_config,
+    cpu_slice,
     cache_config,
     model_config,
     server_config,
@@ -65,6 +66,7 @@ def config_from_args(a: argparse.Namespace) -> tuple[NodeConfig, DecodeOptions]:
         attention=attention_config(a),
         transfer=transfer_config(a),
         server=server_config(a),
+        cpu=cpu_slice(a),
     )
     if a.num_reserved_decode_tokens < 1:
         raise ConfigError(f"--num-reserved-decode-tokens must be >= 1, got {a.num_reserved_decode_tokens}")
@@ -95,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         child.start()
         info = child.wait_ready()
-        log.info("decode scheduler %d ready; serving HTTP on %s:%d", info["pid"], args.host, args.port)
+        log.info("decode scheduler %d ready (CPU %s); serving HTTP on %s:%d", info["pid"], info["cpu"], args.host,
+                 args.port)
         threading.Thread(target=_watch_scheduler, args=(child.proc, stopping, died), daemon=True).start()
         api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
                                                       "max_total_tokens": info["max_total_tokens"],
-                                                      "scheduler_pid": info["pid"]})
+                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"]})
         run_api_server(api_cfg, endpoints, scheduler_alive=child.alive)
     except StartupError as exc:
         log.error("%s", exc)

@@ -147,4 +147,4 @@ class DecodeProcess:
 def run_scheduler(cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints, ready: Connection) -> None:
     """Entry point of the scheduler process (``multiprocessing`` target). Reports ``("ready", info)``
     or ``("error", reason)`` on ``ready`` once start-up is over, so the launcher fails fast."""
-    run_scheduler_process("decode-sched", lambda: DecodeProcess(cfg, opts, endpoints), ready)
+    run_scheduler_process("decode-sched", lambda: DecodeProcess(cfg, opts, endpoints), ready, cfg.cpu)

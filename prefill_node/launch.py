@@ -32,6 +32,7 @@ from common.server.node_launch import (
     StartupError,
     add_node_flags,
     attention_config,
+    cpu_slice,
     cache_config,
     model_config,
     server_config,
@@ -65,6 +66,7 @@ def config_from_args(ns: argparse.Namespace) -> NodeConfig:
         attention=attention_config(ns),
         transfer=transfer_config(ns),
         server=server_config(ns),
+        cpu=cpu_slice(ns),
     )
 
 
@@ -100,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         child.start()
         info = child.wait_ready()
-        log.info("scheduler %d ready (%s); serving HTTP on %s:%d, bootstrap on %d", info["pid"],
-                 info["control_endpoint"], ns.host, ns.port, cfg.transfer.bootstrap_port)
+        log.info("scheduler %d ready (%s, CPU %s); serving HTTP on %s:%d, bootstrap on %d", info["pid"],
+                 info["control_endpoint"], info["cpu"], ns.host, ns.port, cfg.transfer.bootstrap_port)
         api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
                                                       "max_total_tokens": info["max_total_tokens"],
-                                                      "scheduler_pid": info["pid"]})
+                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"]})
         run_api_server(api_cfg, endpoints, scheduler_alive=child.alive)
         return 0
     except StartupError as exc:

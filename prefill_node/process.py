@@ -140,4 +140,4 @@ def run_scheduler(cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints
     Sends ``("ready", info)`` on ``ready`` once the model is loaded and the rank registered with
     the bootstrap server, or ``("error", message)`` if start-up failed.
     """
-    run_scheduler_process("prefill-sched", lambda: PrefillProcess(cfg, opts, endpoints, bootstrap_url), ready)
+    run_scheduler_process("prefill-sched", lambda: PrefillProcess(cfg, opts, endpoints, bootstrap_url), ready, cfg.cpu)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import uvicorn
 
 from common import envs
+from common.cpu_budget import limit_api_process
 from common.protocol import IpcEndpoints
 from common.server.app import create_app
 from common.server.config import ApiConfig
@@ -51,6 +52,7 @@ def run_api_server(cfg: ApiConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer
         from common.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(cfg.tokenizer_path or cfg.model_path)
+    limit_api_process()  # the model runs in the scheduler process; the API takes one torch thread
     client = SchedulerClient(endpoints.to_scheduler, endpoints.from_scheduler, scheduler_alive)
     app = create_app(cfg, client, tokenizer)
     level = envs.LOG_LEVEL.get().lower()

@@ -26,7 +26,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from common import envs
-from common.config import AttentionConfig, CacheConfig, ModelConfig, ServerConfig, TransferConfig
+from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, ServerConfig, TransferConfig
+from common.cpu_budget import CpuBudgetError, CpuConfig, apply_scheduler_budget, cpu_config
 from common.protocol import IpcEndpoints
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
                    help=f"GPU memory fraction for the KV pool {d}")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: from free memory / CPU default)")
     p.add_argument("--max-running-requests", type=int, default=CacheConfig.max_running_requests, help=d)
+    p.add_argument("--cpu-threads", type=int, help="torch threads of the scheduler process (default: PDC_CPU_THREADS, "
+                   "else the cores it may use; pdcluster up divides the cores among its nodes)")
+    p.add_argument("--cpu-bind", help="pin the scheduler process to these cores, e.g. 0-3,8 (default: PDC_CPU_BIND; none)")
 
 
 def model_config(ns: argparse.Namespace) -> ModelConfig:
@@ -85,6 +89,14 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 def attention_config(ns: argparse.Namespace) -> AttentionConfig:
     return AttentionConfig(backend=ns.attention_backend)
+
+
+def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
+    """The scheduler's CPU budget from --cpu-threads / --cpu-bind (or their env vars), resolved."""
+    try:
+        return cpu_config(ns.cpu_threads, ns.cpu_bind)
+    except CpuBudgetError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def advertise_host(host: str) -> str:
@@ -164,13 +176,17 @@ class SchedulerProcess(Protocol):
     def close(self) -> None: ...
 
 
-def run_scheduler_process(tag: str, build: Callable[[], SchedulerProcess], ready: Connection | None) -> None:
-    """Body of a role's scheduler-process entry point: build, report ready/error, serve until stop."""
+def run_scheduler_process(tag: str, build: Callable[[], SchedulerProcess], ready: Connection | None,
+                          cpu: CpuConfig | None = None) -> None:
+    """Body of a role's scheduler-process entry point: size the thread pools, build, report
+    ready/error, serve until stop."""
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
+        if cpu is not None:
+            apply_scheduler_budget(cpu)  # before the model loads: torch's pools are sized once
         proc = build()
     except Exception as exc:
         log.exception("%s failed to start", tag)
@@ -179,7 +195,8 @@ def run_scheduler_process(tag: str, build: Callable[[], SchedulerProcess], ready
         raise SystemExit(1) from exc
     try:
         if ready is not None:
-            ready.send(("ready", {"pid": os.getpid(), **proc.ready_info()}))
+            cpu_info = cpu.as_dict() if cpu is not None else None
+            ready.send(("ready", {"pid": os.getpid(), "cpu": cpu_info, **proc.ready_info()}))
             ready.close()
         proc.serve(stop)
     finally:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
+from common.cpu_budget import split_threads
+
 STOP_GRACE_S = 15.0
 ROUTERS = ("ours", "sglang", "none")
 # The directory holding the ``common`` package: children import ``prefill_node`` / ``router``
@@ -97,6 +99,11 @@ class LocalCluster:
             raise ValueError("a cluster needs at least one prefill and one decode node")
         common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
                   "--disaggregation-transfer-backend", backend]
+        # The nodes share this host's cores: each scheduler gets its share of torch threads, unless
+        # the caller chose (a flag, or PDC_CPU_THREADS in the environment).
+        if not any(a.startswith("--cpu-threads") for a in (*prefill_args, *decode_args)) \
+                and "PDC_CPU_THREADS" not in {**os.environ, **self.env}:
+            common += ["--cpu-threads", str(split_threads(num_prefill + num_decode))]
         for i in range(num_prefill):
             port, bport = free_port(), free_port()
             self._start_node(NodeInfo(f"prefill{i}", "prefill", f"http://127.0.0.1:{port}", bport),

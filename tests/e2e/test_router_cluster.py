@@ -33,6 +33,7 @@ import httpx
 import pytest
 
 from common.tokenizer import Tokenizer
+from common.cpu_budget import split_threads
 from common.tools.bench_report import scheduler_counters
 from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
 from tests.e2e.cluster import check_greedy, check_greedy_text, wait_idle
@@ -127,6 +128,10 @@ def openai_request(r: Routed, kind: str, stream: bool, i: int, n: int) -> tuple[
 
 
 def test_openai_client_32_concurrent_match_hf_and_every_node_serves(routed: Routed) -> None:
+    # The launcher divided this host's cores among the four nodes; each reports its budget.
+    for n in routed.cluster.nodes:
+        cpu = httpx.get(n.url + "/server_info", timeout=10).json()["cpu"]
+        assert cpu == {"threads": split_threads(4), "bind": None}, (n.name, cpu)
     before = routed.counters()
     jobs = [(kind, stream, i) for i in range(8) for kind in ("chat", "completion") for stream in (False, True)]
     n = 6
