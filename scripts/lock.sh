@@ -25,8 +25,13 @@ src=()
 upgrade=(); [ -n "${UPGRADE:-}" ] && upgrade=(--upgrade)
 compile() {  # <python version> <output> <inputs and flags...>
     local py=$1 out=$2; shift 2
+    # uv prefers the versions already in -o: start the temp file from the current lock. An
+    # unchanged result leaves the lock untouched (its mtime too, so `make setup` does not rebuild).
+    local tmp="$out.tmp"
+    cp "$out" "$tmp" 2>/dev/null || : > "$tmp"
     "$TOOLS/bin/uv" pip compile --quiet --no-header --python-version "$py" \
-        --python-platform x86_64-manylinux_2_28 "${upgrade[@]}" -o "$out" "$@"
+        --python-platform x86_64-manylinux_2_28 "${upgrade[@]}" -o "$tmp" "$@"
+    if cmp -s "$tmp" "$out"; then rm "$tmp"; else mv "$tmp" "$out"; echo "updated $out"; fi
 }
 compile 3.11 requirements/cpu.lock pyproject.toml requirements/cpu.in --extra cpu --extra test "${src[@]}"
 # NVIDIA's PyTorch images run Python 3.12.

@@ -101,7 +101,7 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> N
 def test_abort_request_endpoint_ends_a_running_request(cluster: Cluster) -> None:
     rid = f"abort-me-{next_room()}"
     with ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(cluster.pd, "/generate", gen_body([50, 51, 52, 53], 200, rid=rid))
+        fut = ex.submit(cluster.pd, "/generate", gen_body([50, 51, 52, 53], 1500, rid=rid))
         deadline = time.monotonic() + 20
         while httpx.get(cluster.decode.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0:
             assert time.monotonic() < deadline, "the request never reached the decode node"
@@ -111,7 +111,7 @@ def test_abort_request_endpoint_ends_a_running_request(cluster: Cluster) -> None
         p, d = fut.result(timeout=30)
     assert p.status_code == 200
     meta = d.json()["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 200
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
     assert_serving(cluster)
 
 
