@@ -101,7 +101,9 @@ class Forwarder:
                     return self._finish(endpoint, t0, error_response(exc.status, exc.message), "no_worker")
                 break  # report the failure that emptied the rotation, not the empty rotation
             leg_body = self._with_rid(body, attempt)
-            with self._workers.busy(p, d), self._rooms.hold(info.sequences) as room:
+            # The decode counts as busy for the whole request; the prefill only until it answers
+            # (in _prefill): after that the request costs it nothing.
+            with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
                 self._policies["prefill"].on_routed(p, info.key)
                 self._policies["decode"].on_routed(d, None)
                 result = await self._try(request, endpoint, leg_body, info, p, d, room, t0, deadline)
@@ -195,9 +197,10 @@ class Forwarder:
     async def _prefill(self, p: Worker, path: str, body: dict) -> dict | list | None | Failure:
         """The prefill node's whole answer (its KV is in the decode's pages by then), or why not."""
         try:
-            async with self._session.post(p.url + path, json=body) as r:
-                raw = await r.read()
-                status = r.status
+            with self._workers.busy(p):
+                async with self._session.post(p.url + path, json=body) as r:
+                    raw = await r.read()
+                    status = r.status
         except _CONNECTION_ERRORS as exc:
             self._workers.mark_failed(p, f"{type(exc).__name__}: {exc}")
             return Failure(f"prefill {p.url}: {type(exc).__name__}: {exc}", True, (p,))
