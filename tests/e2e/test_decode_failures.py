@@ -100,11 +100,14 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> N
 
 def test_abort_request_endpoint_ends_a_running_request(cluster: Cluster) -> None:
     rid = f"abort-me-{next_room()}"
+    generated = metric(cluster.decode.url, "pdc_scheduler_generated_tokens_total")
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(cluster.pd, "/generate", gen_body([50, 51, 52, 53], 1500, rid=rid))
+        # Abort once the request is running (its KV arrived, tokens are coming), not while it is
+        # still in transfer: an abort then fails the room on the prefill too, a different test.
         deadline = time.monotonic() + 20
-        while httpx.get(cluster.decode.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0:
-            assert time.monotonic() < deadline, "the request never reached the decode node"
+        while metric(cluster.decode.url, "pdc_scheduler_generated_tokens_total") <= generated:
+            assert time.monotonic() < deadline, "the request never started decoding"
             time.sleep(0.05)
         r = httpx.post(cluster.decode.url + "/abort_request", json={"rid": rid}, timeout=10)
         assert r.status_code == 200 and r.json()["aborted"] == [rid]
