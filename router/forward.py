@@ -4,12 +4,12 @@
       pick P (prefill policy) and D (decode policy) among healthy workers   none: 503
       reserve rooms (one per sequence)            released when the try ends, on every path
       POST P and D at once: the same body + bootstrap_host/port/room; P is asked for JSON
-      wait for both answers' status (P's whole body; D's status line, which a streaming node
-      sends only with its first output):
+      wait for the answers' status (D's status line, which a streaming node sends only with its
+      first output, so only once the KV arrived; for a JSON answer also P's whole body):
         a connection error          -> that worker leaves rotation; try again
         a 5xx from either           -> try again, preferring other workers
         a 4xx                       -> the client gets it as it is (bad input fails everywhere)
-        P 200 and D 200             -> committed: no retry from here on
+        D 200 (and P 200 for JSON)  -> committed: no retry from here on
       stream: D's SSE frames are written to the client as they arrive; if D dies mid-stream the
               client gets an SSE error event and [DONE], not a hang
       JSON:   D's body (with P's input logprobs merged in for /generate), once it is whole
@@ -153,7 +153,7 @@ class Forwarder:
         pbody.pop("stream_options", None)
         dbody = {**body, **boot}
         path = PATHS[endpoint]
-        prefill = asyncio.create_task(self._prefill(p, path, pbody))
+        prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline))
         decode = asyncio.create_task(self._open(d, path, dbody))
         d_resp: aiohttp.ClientResponse | None = None
         try:
@@ -161,7 +161,9 @@ class Forwarder:
                 async with asyncio.timeout_at(deadline):
                     pending: set[asyncio.Task] = {prefill, decode}
                     p_answer: dict | list | None = None
-                    while pending:
+                    # A stream commits on the decode's 200 alone: its status line comes with its
+                    # first output, which needs the KV, so the prefill's part is done by then.
+                    while d_resp is None or (not info.stream and prefill in pending):
                         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         for task in done:
                             outcome = task.result()
@@ -185,7 +187,11 @@ class Forwarder:
             except TimeoutError:
                 msg = f"no complete answer within the router's request timeout ({self._cfg.request_timeout_s:g} s)"
                 return Failure(msg, False, response=error_response(504, msg), kind="timeout")
-            return await self._pipe(request, endpoint, d, d_resp, t0, deadline)
+            resp = await self._pipe(request, endpoint, d, d_resp, t0, deadline)
+            # The prefill answers about when the first token exists; wait for it (bounded by its
+            # deadline) so its in-flight count and the rooms are released only once it is done.
+            await asyncio.gather(prefill, return_exceptions=True)
+            return resp
         finally:
             for task in (prefill, decode):
                 if not task.done():
@@ -194,13 +200,15 @@ class Forwarder:
             if decode.done() and not decode.cancelled() and isinstance(decode.result(), aiohttp.ClientResponse):
                 decode.result().close()  # not read to its end (a failure, a disconnect): drop the connection
 
-    async def _prefill(self, p: Worker, path: str, body: dict) -> dict | list | None | Failure:
+    async def _prefill(self, p: Worker, path: str, body: dict, deadline: float) -> dict | list | None | Failure:
         """The prefill node's whole answer (its KV is in the decode's pages by then), or why not."""
         try:
             with self._workers.busy(p):
-                async with self._session.post(p.url + path, json=body) as r:
+                async with asyncio.timeout_at(deadline), self._session.post(p.url + path, json=body) as r:
                     raw = await r.read()
                     status = r.status
+        except TimeoutError:
+            return Failure(f"prefill {p.url} did not answer before the request's deadline", False)
         except _CONNECTION_ERRORS as exc:
             self._workers.mark_failed(p, f"{type(exc).__name__}: {exc}")
             return Failure(f"prefill {p.url}: {type(exc).__name__}: {exc}", True, (p,))
