@@ -221,6 +221,11 @@ def test_prefill_killed_under_load_requests_retry_and_succeed(routed: Routed) ->
         time.sleep(0.5)
         routed.cluster.kill("prefill0", signal.SIGKILL)
         results = [f.result() for f in futures]
+    for i, ((resp, elapsed), p) in enumerate(zip(results, prompts)):
+        assert resp.status_code == 200, (i, resp.status_code, resp.text)
+        assert elapsed < REQUEST_TIMEOUT_S, f"request {i} waited {elapsed:.1f} s, past the router's bound"
+        check_greedy(routed.model_dir, p, resp.json()["output_ids"], n, f"request {i} after a prefill kill")
+    assert router_counter(routed, "pdc_router_retries_total") > retries_before, "no request needed a retry"
     routed.wait_worker("prefill0", healthy=False)
     routed.wait_idle()  # the survivors hold nothing
     routed.cluster.restart("prefill0")
