@@ -113,11 +113,16 @@ class DecodeProcess:
         parent = os.getppid()
         next_check = time.monotonic() + 1.0
         while not stop.is_set():
-            for msg in io.recv(0.0 if sched.busy else IDLE_WAIT_S if sched.idle else POLL_WAIT_S):
+            t0 = time.perf_counter()
+            steps_before = sched.counters["decode_steps"]
+            busy = sched.busy
+            for msg in io.recv(0.0 if busy else IDLE_WAIT_S if sched.idle else POLL_WAIT_S):
                 if isinstance(msg, GenerateReq):
                     sched.add(msg)
                 elif isinstance(msg, AbortReq):
                     sched.abort(msg.rid)
+            if not busy:
+                t0 = time.perf_counter()  # waiting for input is idle time, not step overhead
             before = sched.counters["generated_tokens"]
             try:
                 outputs = sched.step()
@@ -130,6 +135,10 @@ class DecodeProcess:
                     outputs = []
             self.stats.throughput.add(sched.counters["generated_tokens"] - before)
             io.send(outputs)
+            if sched.counters["decode_steps"] != steps_before:
+                # The whole turn of a decode step (input, queues, forward, stop checks, output IPC):
+                # minus decode_forward_seconds it is the per-step overhead `pdcluster bench` reports.
+                sched.counters["decode_step_seconds"] += time.perf_counter() - t0
             if time.monotonic() > next_check:
                 next_check = time.monotonic() + 1.0
                 if os.getppid() != parent:

@@ -35,7 +35,7 @@ class DecodeQueues:
         self._outbox: list[ReqOutput] = []
         self.counters: dict[str, float] = {"generated_tokens": 0, "retractions": 0, "finished": 0, "failed": 0,
                                            "aborted": 0, "decode_steps": 0, "decode_batch_reqs": 0,
-                                           "decode_forward_seconds": 0.0}
+                                           "decode_forward_seconds": 0.0, "decode_step_seconds": 0.0}
 
     def abort(self, rid: str, reason: str = "aborted", http_status: int | None = None) -> None:
         """Answer at once; free what is ours now, fence what the prefill may still write.

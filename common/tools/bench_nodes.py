@@ -50,6 +50,7 @@ def compare(before: dict, after: dict) -> dict:
             "memory_changed": {k: list(v) for k, v in report.memory_diff(b["memory"], a["memory"]).items()},
             "counter_deltas": report.counter_deltas(b["counters"], a["counters"]),
         }
+        out[name]["decode_step_split"] = report.decode_step_split(out[name]["counter_deltas"])
     return out
 
 
@@ -65,6 +66,9 @@ def format_nodes(cmp: dict) -> str:
         if c["counter_deltas"]:
             lines.append("  scheduler counters: " + ", ".join(f"{k} +{v:g}" for k, v in c["counter_deltas"].items()))
         d = c["counter_deltas"]
+        split = report.decode_step_split(d)
+        if split is not None:
+            lines.append(report.format_step_split(split))
         if d.get("forwards_total"):
             lines.append(f"  mean prefill forward: {1000 * d.get('forward_seconds_total', 0) / d['forwards_total']:.2f} ms"
                          f" over {d['forwards_total']:g} forwards")

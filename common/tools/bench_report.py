@@ -149,6 +149,31 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items()) if v != before.get(k, 0.0)}
 
 
+def decode_step_split(deltas: dict[str, float]) -> dict[str, float] | None:
+    """Where a decode step's time went, from the decode node's counter deltas over the run:
+    ``forward`` (model forward + sampling) and ``overhead`` (the rest of the scheduler loop's turn:
+    queues, stop checks, output IPC) per step, and the mean batch. None without decode steps."""
+    steps = deltas.get("decode_steps_total", 0.0)
+    if steps <= 0:
+        return None
+    forward_ms = 1000.0 * deltas.get("decode_forward_seconds_total", 0.0) / steps
+    out = {"steps": steps, "mean_batch": round(deltas.get("decode_batch_reqs_total", 0.0) / steps, 2),
+           "forward_ms_per_step": round(forward_ms, 3)}
+    if "decode_step_seconds_total" in deltas:  # absent on nodes older than the counter
+        step_ms = 1000.0 * deltas["decode_step_seconds_total"] / steps
+        out.update(step_ms_per_step=round(step_ms, 3), overhead_ms_per_step=round(step_ms - forward_ms, 3))
+    return out
+
+
+def format_step_split(split: dict[str, float]) -> str:
+    line = (f"  decode step split: {split['steps']:g} steps, mean batch {split['mean_batch']:.1f}; "
+            f"forward {split['forward_ms_per_step']:.2f} ms/step")
+    if "overhead_ms_per_step" in split:
+        line += (f", overhead {split['overhead_ms_per_step']:.2f} ms/step "
+                 f"(step {split['step_ms_per_step']:.2f} ms)")
+    return line
+
+
 def format_report(summary: dict) -> str:
     """The human-readable block printed at the end of a run."""
     s = summary

@@ -105,6 +105,10 @@ def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: floa
         assert re.search(rf"^leak check {name} +clean$", stdout, re.M), stdout[-2000:]
     assert doc["nodes"]["decode0"]["counter_deltas"]["generated_tokens_total"] == s["total_output_tokens"]
     assert doc["nodes"]["prefill0"]["counter_deltas"]["prompt_tokens_total"] == s["total_input_tokens"]
+    split = doc["nodes"]["decode0"]["decode_step_split"]  # every output token after the first is one step's
+    assert split["steps"] * split["mean_batch"] == pytest.approx(s["total_output_tokens"] - NUM, rel=0.01)
+    assert 0 < split["forward_ms_per_step"] < split["step_ms_per_step"]
+    assert "decode step split:" in stdout
     cpu = doc["cpu_seconds"]  # launched cluster: each process group, read from /proc
     want_cpu = {"prefill0_api", "prefill0_scheduler", "decode0_api", "decode0_scheduler", "bench_client"}
     assert set(cpu) == want_cpu | ({"router"} if router else set())
@@ -354,3 +358,16 @@ def test_scheduler_counters_from_node_renderer() -> None:
                                                         "token_usage": 0.1}, labels))
     assert before == {"forwards_total": 3.0}
     assert report.counter_deltas(before, after) == {"forwards_total": 7.0, "prompt_tokens_total": 40.0}
+
+
+def test_decode_step_split_from_counter_deltas() -> None:
+    deltas = {"decode_steps_total": 200.0, "decode_batch_reqs_total": 3000.0, "decode_forward_seconds_total": 0.5,
+              "decode_step_seconds_total": 0.8}
+    split = report.decode_step_split(deltas)
+    assert split == {"steps": 200.0, "mean_batch": 15.0, "forward_ms_per_step": 2.5, "step_ms_per_step": 4.0,
+                     "overhead_ms_per_step": 1.5}
+    assert "overhead 1.50 ms/step" in report.format_step_split(split)
+    old_node = report.decode_step_split({k: v for k, v in deltas.items() if k != "decode_step_seconds_total"})
+    assert old_node == {"steps": 200.0, "mean_batch": 15.0, "forward_ms_per_step": 2.5}
+    assert "overhead" not in report.format_step_split(old_node)
+    assert report.decode_step_split({"forwards_total": 3.0}) is None  # a prefill node
