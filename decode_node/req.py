@@ -97,6 +97,13 @@ class DecodeReq:
     http_status: int | None = None
     retractions: int = 0
     drain_since: float = 0.0
+    _spec: SampleSpec | None = field(default=None, repr=False)
+
+    def sample_spec(self) -> SampleSpec:
+        """One spec for the request's life: it reads the live output list when sampling."""
+        if self._spec is None:
+            self._spec = SampleSpec(self.params, self.out, self.prompt)
+        return self._spec
 
     @property
     def max_new(self) -> int:

@@ -119,11 +119,8 @@ class DecodeScheduler(DecodeQueues):
         if not self.prealloc:
             return
         ratio = self.ratio.value
-        held = [r.holder() for r in self.running]
-        alloc = self.budget.allocatable_pages(
-            self.memory.available_pages(), held, [r.holder() for r in (*self.transfer, *self.waiting)],
-            [r.holder() for r in self.retracted], ratio)
-        retractable = sum(h.held_pages for h in held)
+        alloc = retractable = 0
+        budgeted = False  # the budget needs every request's view: built only once a room is ready
         blocked = False  # FIFO: once one room does not fit, later ones wait too (no starvation)
         for r in list(self.prealloc):
             assert r.receiver is not None
@@ -133,6 +130,13 @@ class DecodeScheduler(DecodeQueues):
                 continue
             if status is not KVPoll.WaitingForInput or blocked:
                 continue
+            if not budgeted:
+                held = [h.holder() for h in self.running]
+                alloc = self.budget.allocatable_pages(
+                    self.memory.available_pages(), held, [h.holder() for h in (*self.transfer, *self.waiting)],
+                    [h.holder() for h in self.retracted], ratio)
+                retractable = sum(h.held_pages for h in held)
+                budgeted = True
             if not self.budget.can_prealloc(len(r.prompt), r.max_new, alloc, retractable, ratio) or not self._reserve_room(r):
                 blocked = True
                 continue
@@ -230,6 +234,13 @@ class DecodeScheduler(DecodeQueues):
 
     def _make_room(self) -> bool:
         """Ensure every running request can take its next page; False: skip this decode step."""
+        # The common case, checked without building the budget's view of every request: the next
+        # token of each fits in its own pages or the free ones (at least as strict as the budget's
+        # own first check, so it never skips a retraction the budget would make).
+        pages_for = self.memory.pages_for
+        need = sum(max(0, pages_for(r.kv.kv_len + 1) - len(r.kv.pages)) for r in self.running if r.kv is not None)
+        if need <= self.memory.available_pages():
+            return True
         held = [r.holder() for r in self.running]
         victims, fits = self.budget.pick_victims(held, self.memory.available_pages())
         chosen = [self.running[i] for i in victims]
@@ -275,7 +286,7 @@ class DecodeScheduler(DecodeQueues):
                 raise RuntimeError(f"{r.label()}: no page after _make_room said it fits")  # a budget bug
         batch = list(self.running)
         items = [DecodeItem(r.kv.row, r.out[-1], r.kv.kv_len) for r in batch if r.kv is not None]
-        specs = [SampleSpec(r.params, r.out, r.prompt) for r in batch]
+        specs = [r.sample_spec() for r in batch]
         t0 = time.perf_counter()
         tokens = self.engine.run_decode(items, specs)
         # Step counters split decode time into model time and everything around it (bench, /metrics).

@@ -71,30 +71,33 @@ def plan_groups(ext: Sequence[int], seq: Sequence[int]) -> list[list[int]]:
 def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whole: bool) -> _Group:
     """Index tensors of one group (built on the host, moved to the device once per batch)."""
     dev = batch.req_to_token.device
-    ext = torch.tensor([batch.extend_lens_cpu[i] for i in members])  # [G]
-    pre = torch.tensor([batch.prefix_lens_cpu[i] for i in members])  # [G]
+    ext_l = [batch.extend_lens_cpu[i] for i in members]
+    pre_l = [batch.prefix_lens_cpu[i] for i in members]
+    pre, ext, start = torch.tensor([pre_l, ext_l, [starts[i] for i in members]])  # [G] each
     seq = pre + ext  # [G]
-    start = torch.tensor([starts[i] for i in members])  # [G]
-    e, s = int(ext.max()), int(seq.max())
-    j = torch.arange(e)  # [E] query row within its request
+    e, s = max(ext_l), max(p + x for p, x in zip(pre_l, ext_l))
     kpos = torch.arange(s)  # [S] key position
-    real = j[None, :] < ext[:, None]  # [G, E]
-    # query j of a request sits at position prefix + j and sees keys 0 .. prefix + j
-    causal = kpos[None, None, :] <= (pre[:, None] + j[None, :])[:, :, None]  # [G, E, S]
-    mask = torch.where(real[:, :, None], causal, kpos[None, None, :] == 0)  # [G, E, S]
+    valid = kpos[None, :] < seq[:, None]  # [G, S] keys that exist
+    if e == 1:  # decode (or one-token chunks): the only query sees every key there is
+        mask, q_rows, keep = valid[:, None, :], start, None  # [G, 1, S], [G]
+    else:
+        j = torch.arange(e)  # [E] query row within its request
+        real = j[None, :] < ext[:, None]  # [G, E]
+        # query j of a request sits at position prefix + j and sees keys 0 .. prefix + j
+        causal = kpos[None, None, :] <= (pre[:, None] + j[None, :])[:, :, None]  # [G, E, S]
+        mask = torch.where(real[:, :, None], causal, kpos[None, None, :] == 0)  # [G, E, S]
+        q_rows = torch.where(real, start[:, None] + j[None, :], start[:, None]).reshape(-1)  # [G * E]
+        keep = None if bool(real.all()) else real.reshape(-1).nonzero().squeeze(1)  # [n]
     rows = batch.req_pool_indices if whole else batch.req_pool_indices[torch.tensor(members, device=dev)]  # [G]
-    table = batch.req_to_token.index_select(0, rows)[:, :s].long()  # [G, S]
-    slots = torch.where(kpos.to(dev)[None, :] < seq.to(dev)[:, None], table, torch.zeros_like(table))  # [G, S]
-    q_rows = torch.where(real, start[:, None] + j[None, :], start[:, None]).reshape(-1)  # [G * E]
-    keep = real.reshape(-1).nonzero().squeeze(1)  # [n]
-    dense = bool(real.all())  # every request has E new tokens: the packed q is already [G, E]
+    slots = batch.req_to_token.index_select(0, rows)[:, :s].long()  # [G, S]
+    slots = slots.masked_fill_(~valid.to(dev), 0)  # padding reads the reserved page
     return _Group(
         num_reqs=len(members), max_ext=e, max_seq=s,
         slots=slots.reshape(-1),
         mask=mask[:, None, :, :].to(dev),
-        q_index=None if (whole and dense) else q_rows.to(dev),
-        keep=None if dense else keep.to(dev),
-        out_index=None if whole else q_rows[keep].to(dev),
+        q_index=None if (whole and keep is None) else q_rows.to(dev),  # whole and dense: q is already [G*E]
+        keep=None if keep is None else keep.to(dev),
+        out_index=None if whole else (q_rows if keep is None else q_rows[keep]).to(dev),
     )
 
 

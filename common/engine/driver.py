@@ -12,20 +12,30 @@ transfer engine right away, and an RDMA read is not ordered after kernels on the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
-from common.engine.sampler import SampledToken, Sampler
+from common.engine.sampler import SampledToken, Sampler, needs_penalties
 from common.request import SamplingParams
 
 
 @dataclass(frozen=True)
 class SampleSpec:
+    """How one request samples. ``output_ids`` is read at sampling time, so a request may keep one
+    spec over its live output list for its whole life instead of building one per step."""
+
     params: SamplingParams
     output_ids: Sequence[int]  # generated so far (the step number for seeded sampling)
     prompt_ids: Sequence[int] | None = None  # needed only for repetition_penalty
+    # Argmax and nothing else: no logprobs, no penalties (the common decode case, sampled without
+    # the sampler's per-row bookkeeping).
+    plain_greedy: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        object.__setattr__(self, "plain_greedy", p.is_greedy and not p.return_logprob and not needs_penalties(p))
 
 
 class EngineDriver:
@@ -46,6 +56,10 @@ class EngineDriver:
         return [t for t in self._sample(logits, specs) if t is not None]
 
     def _sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]:
+        if specs and all(s is not None and s.plain_greedy for s in specs):
+            # What Sampler.sample computes for such rows (argmax of the raw logits), without its
+            # per-row parameter lists.
+            return [SampledToken(t, None, []) for t in torch.argmax(logits, dim=-1).tolist()]
         keep = [i for i, s in enumerate(specs) if s is not None]
         out: list[SampledToken | None] = [None] * len(specs)
         if not keep:

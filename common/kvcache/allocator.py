@@ -204,6 +204,11 @@ def pages_to_slots(
     if num_tokens < 0 or num_tokens > len(pages) * page_size:
         raise ValueError(f"{num_tokens} tokens do not fit on {len(pages)} pages of {page_size}")
     num_pages = -(-num_tokens // page_size)
+    if num_pages <= 2 and not isinstance(pages, torch.Tensor):
+        # A decode step's new page: one small tensor from a list costs ~5 us on CPU, the four
+        # tensor ops below ~20 (per-op dispatch); they win only for long page lists.
+        flat = [p * page_size + o for p in pages[:num_pages] for o in range(page_size)][:num_tokens]
+        return torch.tensor(flat, dtype=torch.int64, device=device)
     page_t = torch.as_tensor(pages, dtype=torch.int64, device=device)[:num_pages]  # [P]
     offsets = torch.arange(page_size, dtype=torch.int64, device=device)  # [page_size]
     slots = page_t[:, None] * page_size + offsets[None, :]  # [P, page_size]
