@@ -43,7 +43,7 @@ class _Group:
     max_ext: int
     max_seq: int
     slots: torch.Tensor  # [G * S] int64 KV slots, request-major, padded with slot 0
-    mask: torch.Tensor  # [G, 1, E, S] bool, True where a query row attends a key
+    mask: torch.Tensor | None  # [G, 1, E, S] bool, True where a query row attends a key; None: causal
     q_index: torch.Tensor | None  # [G * E] int64 packed-token index of each query row; None: q is already [G*E]
     keep: torch.Tensor | None  # [n] int64 real rows among the G * E; None: all are real
     out_index: torch.Tensor | None  # [n] int64 packed-token index of each kept row; None: the whole batch in order
@@ -88,13 +88,16 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
         mask = torch.where(real[:, :, None], causal, kpos[None, None, :] == 0)  # [G, E, S]
         q_rows = torch.where(real, start[:, None] + j[None, :], start[:, None]).reshape(-1)  # [G * E]
         keep = None if bool(real.all()) else real.reshape(-1).nonzero().squeeze(1)  # [n]
+    # No cached prefix anywhere: query j sits at position j, so plain causal attention (which lets
+    # SDPA skip the blocks above the diagonal) is the mask; real rows never reach a padded key.
+    square = e > 1 and max(pre_l) == 0
     rows = batch.req_pool_indices if whole else batch.req_pool_indices[torch.tensor(members, device=dev)]  # [G]
     slots = batch.req_to_token.index_select(0, rows)[:, :s].long()  # [G, S]
     slots = slots.masked_fill_(~valid.to(dev), 0)  # padding reads the reserved page
     return _Group(
         num_reqs=len(members), max_ext=e, max_seq=s,
         slots=slots.reshape(-1),
-        mask=mask[:, None, :, :].to(dev),
+        mask=None if square else mask[:, None, :, :].to(dev),
         q_index=None if (whole and keep is None) else q_rows.to(dev),  # whole and dense: q is already [G*E]
         keep=None if keep is None else keep.to(dev),
         out_index=None if whole else (q_rows if keep is None else q_rows[keep]).to(dev),
@@ -141,6 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q if g.q_index is None else q.index_select(0, g.q_index)  # [G * E, heads, head_dim]
         qg = qg.view(n, e, hq, d).transpose(1, 2)  # [G, heads, E, head_dim]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qg, keys, vals, attn_mask=g.mask, scale=layer.scaling, enable_gqa=hq != hk)  # [G, heads, E, head_dim]
+            qg, keys, vals, attn_mask=g.mask, is_causal=g.mask is None, scale=layer.scaling,
+            enable_gqa=hq != hk)  # [G, heads, E, head_dim]
         out = out.transpose(1, 2).reshape(n * e, hq, d)  # [G * E, heads, head_dim]
         return out if g.keep is None else out.index_select(0, g.keep)

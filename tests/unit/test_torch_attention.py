@@ -72,7 +72,8 @@ def run(batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 
 @pytest.mark.parametrize(("prefix", "ext"), [
     ([0, 5, 0, 13], [7, 1, 3, 20]),  # extend: cached prefixes, uneven lengths (padded rows and keys)
-    ([0, 0, 0], [6, 6, 6]),  # extend: equal lengths, no padding at all
+    ([0, 0, 0], [6, 6, 6]),  # extend: equal lengths, no padding at all (plain causal)
+    ([0, 0, 0], [9, 2, 5]),  # extend: nothing cached, uneven (plain causal over padded rows)
     ([3, 17, 64, 0, 1], [1, 1, 1, 1, 1]),  # decode
     ([0], [1]),  # one token, nothing cached
 ])
