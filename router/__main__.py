@@ -12,6 +12,16 @@ from router.config import ConfigError, parse_config
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long after SIGTERM
 
 
+def _event_loop():  # type: ignore[no-untyped-def]
+    """uvloop where installed (it is in every lock): the router is all socket I/O, and uvloop's
+    loop costs less CPU per proxied chunk than the stock one. Without it, aiohttp's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(list(sys.argv[1:] if argv is None else argv))
@@ -22,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.workers:
         logging.getLogger("router").warning("no workers given: add them with POST /workers")
     web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None,
-                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, loop=_event_loop())
     return 0
 
 
