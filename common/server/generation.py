@@ -52,6 +52,7 @@ class Inflight:
         self._abort_on_close = abort_on_close
         self._endpoint = endpoint
         self._queue: asyncio.Queue[ReqOutput | None] | None = None
+        self._held: list[ReqOutput | None] = []  # taken from the queue by next_batch, not yet folded
         self._watcher: asyncio.Task | None = None
         self._closed = False
         self.status = 200
@@ -86,9 +87,34 @@ class Inflight:
     async def next(self) -> tuple[SubState, str] | None:
         """The next (sequence, newly visible text); None once the client is gone."""
         assert self._queue is not None
-        out = await self._queue.get()
-        if out is None:
+        out = self._held.pop() if self._held else await self._queue.get()
+        return None if out is None else self._fold(out)
+
+    async def next_batch(self) -> list[tuple[SubState, str]] | None:
+        """The next output and every one already queued behind it, one entry per sequence with
+        its texts joined; None once the client is gone.
+
+        A stream whose client (or the event loop) falls behind the decode steps then sends one
+        larger chunk instead of a backlog of one-token chunks, which cost this process, the
+        router and the client a write and a JSON body each. A failure is never merged: it is
+        held back for the next call, so the text before it still goes out on its own, as before.
+        """
+        assert self._queue is not None
+        first = await self.next()
+        if first is None:
             return None
+        joined: dict[str, tuple[SubState, str]] = {first[0].sub.rid: first}
+        while not self._queue.empty() and not first[0].failed:
+            out = self._queue.get_nowait()
+            if out is None or out.error is not None:
+                self._held.append(out)  # the disconnect or the failure is the next call's answer
+                break
+            s, delta = self._fold(out)
+            prev = joined.get(s.sub.rid)
+            joined[s.sub.rid] = (s, prev[1] + delta if prev is not None else delta)
+        return list(joined.values())
+
+    def _fold(self, out: ReqOutput) -> tuple[SubState, str]:
         s = self._by_rid[out.rid]
         first = not s.output_ids
         delta = s.apply(out)
@@ -195,15 +221,15 @@ async def _stream(inflight: Inflight, tok: TokenizerLike) -> Response:
             for chunk in head:
                 yield chunk
             while not inflight.done:
-                ev = await inflight.next()
-                if ev is None:
+                batch = await inflight.next_batch()
+                if batch is None:
                     return
-                s, delta = ev
-                if s.failed:
-                    yield sse(error_body(s.http_status or 500, s.error or "generation failed"))
-                    continue
-                for chunk in shaper.update(s, delta):
-                    yield chunk
+                for s, delta in batch:
+                    if s.failed:
+                        yield sse(error_body(s.http_status or 500, s.error or "generation failed"))
+                        continue
+                    for chunk in shaper.update(s, delta):
+                        yield chunk
             tail = shaper.usage_chunk(inflight.states)
             if tail is not None:
                 yield tail
