@@ -7,8 +7,8 @@
     scheduler.step()  ->  NodeIO.send(outputs)                       (repeat; never blocks long)
 
 The loop waits for input only when no forward is pending: at most ``POLL_WAIT_S`` while rooms
-are in flight (their transfer states are polled that often), ``IDLE_WAIT_S`` when nothing is
-(a message wakes it at once either way). It exits when told to stop, on SIGTERM, or when the process
+are in flight, ``IDLE_WAIT_S`` when nothing is; a message, or a transfer thread reporting a
+room's new state (KV arrived, a peer failed), wakes it at once either way. It exits when told to stop, on SIGTERM, or when the process
 that started it (the node's API process) is gone, so a killed node leaves no orphan behind.
 """
 from __future__ import annotations
@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_WAIT_S = 0.002  # longest wait for input while rooms are in flight but nothing can run
+# Longest wait for input while rooms are in flight but nothing can run. The transfer threads
+# wake the loop when a room's state changes (NodeIO.wake): this is a backstop for timers only.
+POLL_WAIT_S = 0.02
 IDLE_WAIT_S = 0.05  # nothing in flight at all: a message still wakes the loop at once
 
 
@@ -104,6 +106,7 @@ class DecodeProcess:
                               check_aux_room=cfg.transfer.backend != "fake"))
         self.stats = DecodeStats(self.scheduler, self.aux.num_slots, self.manager.num_rooms)
         self.io = NodeIO(endpoints, self.stats)
+        self.manager.set_state_listener(self.io.wake)
         log.info("decode scheduler ready: %d pages x %d tokens, %d running + %d prealloc rows, backend %s, host %s",
                  bcfg.total_pages, bcfg.page_size, max_running, rows - max_running, cfg.transfer.backend,
                  self.manager.args.host)

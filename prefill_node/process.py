@@ -6,8 +6,9 @@
       -> PrefillScheduler.step(items) -> NodeIO.send(replies)          (repeat)
 
 The loop never blocks on the network: transfers run on the ``PrefillKVManager``'s threads and
-``sender.poll`` is a dict read. It waits on its socket only when no forward can run: a few ms
-while rooms are in flight (their states must be polled), longer when the node is empty. It exits
+``sender.poll`` is a dict read. It waits on its socket only when no forward can run, and a
+transfer thread wakes it as soon as a room's state changes (a TransferInfo arrived, a write
+finished or failed). It exits
 on SIGTERM/SIGINT, when ``stop`` is set, or when the process that started it (the node's API
 process) is gone, so a killed node leaves no orphan scheduler behind.
 """
@@ -36,7 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BUSY_WAIT_S = 0.002  # rooms in flight but nothing to compute: poll their states this often
+# Rooms in flight but nothing to compute: the transfer threads wake the loop when a room's state
+# changes (NodeIO.wake), so this is only a backstop for the scheduler's own timeouts.
+BUSY_WAIT_S = 0.02
 IDLE_WAIT_S = 0.05  # nothing in flight: wake this often to notice a vanished parent
 
 
@@ -95,6 +98,7 @@ class PrefillProcess:
                                           StopChecker(tokenizer.eos_token_ids, tokenizer.decode), sched_cfg)
         self.stats = PrefillStats(self.scheduler, self.manager.num_rooms)
         self.io = NodeIO(endpoints, self.stats)
+        self.manager.set_state_listener(self.io.wake)
         mem = self.runner.memory
         log.info("prefill scheduler ready: %d pages x %d tokens, %d request rows, backend %s, control %s",
                  mem.allocator.num_total, mem.page_size, mem.req_to_token.max_reqs, cfg.transfer.backend,

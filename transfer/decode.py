@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -45,7 +45,7 @@ from transfer.descriptors import index_list
 from transfer.errors import TransferError
 from transfer.handles import DecodeKVReceiver
 from transfer.peers import Peer, port_closed
-from transfer.poll import KVPoll, can_advance
+from transfer.poll import KVPoll, can_advance, no_listener
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class DecodeKVManager:
         self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
         self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
         self._stop = threading.Event()
+        self._state_changed: Callable[[], None] = no_listener
         # Rooms to connect, or (room, bootstrap addr, reason, only if not live here): tell a
         # prefill we could not reach yet that the room was aborted or refused, so its sender
         # fails now rather than at its timeout.
@@ -114,6 +115,11 @@ class DecodeKVManager:
         log.info("decode KV manager up: status %s, data %s", self.status_endpoint, engine.session_id)
 
     # --- scheduler-facing ----------------------------------------------------------------------
+    def set_state_listener(self, fn: Callable[[], None]) -> None:
+        """``fn`` (quick, non-blocking: a transfer thread calls it, lock held) runs whenever a
+        receiver's ``poll()`` answer changed, so the scheduler's wait ends at once."""
+        self._state_changed = fn
+
     def create_receiver(self, room: int, bootstrap_addr: str) -> DecodeKVReceiver:
         """``bootstrap_addr``: the prefill node's bootstrap server, "host:port"."""
         with self._lock:
@@ -197,6 +203,7 @@ class DecodeKVManager:
         with self._lock:
             if can_advance(r.status, KVPoll.WaitingForInput) and r.pending_fail is None:
                 r.status = KVPoll.WaitingForInput
+                self._state_changed()
 
     def _resolve(self, addr: str, room: int) -> Peer:
         """The prefill rank serving ``room`` (cached); raises when it cannot be found or received."""
@@ -337,6 +344,7 @@ class DecodeKVManager:
     def _finalize_locked(self, r: _Room, status: KVPoll, reason: str | None) -> None:
         if can_advance(r.status, status):
             r.status, r.reason = status, reason
+            self._state_changed()
             if status is KVPoll.Failed:
                 log.warning("room %d failed: %s", r.room, reason)
 

@@ -34,3 +34,7 @@ def can_advance(current: KVPoll, new: KVPoll) -> bool:
     if new is KVPoll.Failed:
         return True
     return new > current
+
+
+def no_listener() -> None:
+    """The default state listener of a manager whose owner set none (tests, the transfer bench)."""

@@ -211,6 +211,7 @@ class PrefillKVManager(PrefillControl):
                     self._push.send(info.status_endpoint, m.TransferStatus(
                         room=r.room, status=int(KVPoll.Success), prefill_rank=self.args.tp_rank))
             self._notify_failure_locked(r)
+            self._state_changed()  # Success, Failed, or a fenced room's last write returned
             if dead_session is not None:
                 peer = self._peers.pop(dead_session, None)
                 self._fail_session_locked(dead_session, error or f"decode {dead_session} unreachable")

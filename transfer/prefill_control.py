@@ -12,13 +12,14 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transfer import messages as m
 from transfer import wire
 from transfer.args import KVArgs
 from transfer.config import KVManagerConfig
-from transfer.poll import KVPoll, can_advance
+from transfer.poll import KVPoll, can_advance, no_listener
 from transfer.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,13 @@ class PrefillControl:
         self._peers: dict[str, m.KVArgsRegister] = {}  # decode session -> its buffers
         self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
         self._last_heard: dict[str, float] = {}  # decode session -> last message from it
+        self._state_changed: Callable[[], None] = no_listener
+
+    def set_state_listener(self, fn: Callable[[], None]) -> None:
+        """``fn`` runs (on a transfer thread, the lock held: it must be quick and never block)
+        whenever a sender's ``poll()`` answer may have changed, so the scheduler loop can stop
+        waiting for input at once instead of polling its rooms on a timer."""
+        self._state_changed = fn
 
     # --- bootstrap thread ----------------------------------------------------------------------
     def _handle(self, msg: object) -> None:
@@ -215,11 +223,13 @@ class PrefillControl:
         r.infos[info.session_id] = info
         if len(r.infos) >= info.required_dst_info_num and can_advance(r.status, KVPoll.WaitingForInput):
             r.status = KVPoll.WaitingForInput
+            self._state_changed()
 
     def _fail_locked(self, r: PrefillRoom, reason: str) -> None:
         if not can_advance(r.status, KVPoll.Failed):
             return
         r.status, r.reason = KVPoll.Failed, reason
+        self._state_changed()
         log.warning("room %d failed: %s", r.room, reason)
         self._notify_failure_locked(r)
 

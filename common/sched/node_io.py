@@ -8,7 +8,8 @@
     PULL <--- BatchOutput | QueryReply --- PUSH  send(): one BatchOutput per step
 
 The scheduler loop calls ``recv`` once per step. It never blocks longer than the ``timeout_s``
-it passes (0 while there is work; a few ms when idle, so an idle node does not spin a core) and
+it passes (0 while there is work; longer when idle, so an idle node does not spin a core); a
+message or a ``wake()`` from a transfer thread (a room's state changed) ends the wait at once; and
 it reads at most ``max_batch`` messages per call so a flood cannot starve the forward pass.
 Queries are answered inside ``recv``: ``/get_load``, ``/metrics`` and ``/debug/memory`` see the
 state between two steps, never a half-updated one, and need no lock. A query handler that raises
@@ -20,6 +21,7 @@ with a log line (the API's own watchdog fails its clients).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -83,8 +85,25 @@ class NodeIO:
         except BaseException:  # e.g. an ipc path that cannot be bound: no socket may outlive this
             self._ctx.destroy(linger=0)
             raise
+        # A self-pipe that transfer threads write to when a room's state changes: recv() waits on
+        # it and the socket at once, so the loop sees a finished transfer now, not a poll later.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._closed = False
         self.dropped_outputs = 0
+
+    def wake(self) -> None:
+        """End the current (or next) ``recv`` wait. Any thread; never blocks; cheap when repeated."""
+        if self._closed:  # the node closes its transfer manager (the waking threads) first
+            return
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):  # the pipe is full (a wake is pending anyway) or closed
+            pass
 
     # -- receive ------------------------------------------------------------------------------
 
@@ -95,8 +114,12 @@ class NodeIO:
         then simply polls again), so an idle node answers /get_load within one poll.
         """
         items: list[WorkItem] = []
-        if timeout_s > 0 and not self._pull.poll(int(timeout_s * 1000)):
-            return items
+        if timeout_s > 0:
+            ready = dict(self._poller.poll(int(timeout_s * 1000)))
+            if self._wake_r in ready:
+                self._drain_wakes()
+            if self._pull not in ready:
+                return items
         for _ in range(self._max_batch):
             try:
                 buf = self._pull.recv(zmq.NOBLOCK)
@@ -110,6 +133,13 @@ class NodeIO:
             elif isinstance(msg, FlushCacheReq):
                 self._reply(msg.query_id, self._flush())
         return items
+
+    def _drain_wakes(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _answer(self, what: str) -> dict:
         try:
@@ -158,6 +188,8 @@ class NodeIO:
         self._pull.close(linger=0)
         self._push.close(linger=0)
         self._ctx.term()
+        os.close(self._wake_w)  # a late wake() from a transfer thread then gets OSError, ignored
+        os.close(self._wake_r)
 
 
 class RateMeter:

@@ -1,6 +1,7 @@
 """NodeIO: the scheduler side of the API <-> scheduler IPC, driven by a hand-made API side."""
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -131,6 +132,24 @@ def test_recv_waits_at_most_the_timeout(pair: tuple[NodeIO, ApiSide, Stats]) -> 
     assert io.recv(timeout_s=0.05) == []
     assert io.recv(timeout_s=0.0) == []
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_wake_from_another_thread_ends_the_wait_at_once(pair: tuple[NodeIO, ApiSide, Stats]) -> None:
+    io, api, _ = pair
+    threading.Timer(0.2, io.wake).start()
+    t0 = time.monotonic()
+    assert io.recv(timeout_s=30.0) == []  # woken, nothing to read
+    assert time.monotonic() - t0 < 10.0  # not the 30 s timeout (generous: the box is shared)
+    for _ in range(10_000):  # many wakes before a wait: one pending wake, no blocking writer
+        io.wake()
+    assert io.recv(timeout_s=5.0) == []
+    t0 = time.monotonic()
+    assert io.recv(timeout_s=0.2) == []  # the pending wakes were drained: this one waits again
+    assert time.monotonic() - t0 >= 0.15
+    api.send(_gen("c"))  # a message still arrives behind the wakes
+    assert [m.rid for m in _drain(io, 1)] == ["c"]
+    io.close()
+    io.wake()  # a transfer thread waking a closed NodeIO is a no-op, not an error
 
 
 def test_send_batches_outputs_and_skips_empty(pair: tuple[NodeIO, ApiSide, Stats]) -> None:

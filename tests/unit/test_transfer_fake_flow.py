@@ -156,6 +156,40 @@ def test_happy_path_chunks_descriptors_and_states(cluster: Cluster) -> None:
     wait_for(lambda: pm.num_rooms() == 0 and dm.num_rooms() == 0)
 
 
+def woken_until(obj: object, woken: threading.Event, target: KVPoll, timeout: float = 5.0) -> None:
+    """Wait as the node loops do, re-polling only when the manager's state listener fired: every
+    state change on the way to ``target`` must come with a wake, or this times out."""
+    while True:
+        woken.clear()  # before the poll: a change after it sets the event again
+        if obj.poll() is target:  # type: ignore[attr-defined]
+            return
+        assert woken.wait(timeout), f"no wake while {obj.poll().name}, waiting for {target.name}"  # type: ignore[attr-defined]
+
+
+def test_every_state_change_wakes_the_scheduler(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    p_woken, d_woken = threading.Event(), threading.Event()
+    pm.set_state_listener(p_woken.set)
+    dm.set_state_listener(d_woken.set)
+    sender = pm.create_sender(21)
+    recv = dm.create_receiver(21, ADDR)
+    woken_until(recv, d_woken, KVPoll.WaitingForInput)  # connected to the prefill
+    recv.init([1, 2], aux_slot=0)
+    woken_until(sender, p_woken, KVPoll.WaitingForInput)  # the TransferInfo arrived
+    sender.send([3, 4], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0))
+    woken_until(sender, p_woken, KVPoll.Success)  # the last write returned
+    woken_until(recv, d_woken, KVPoll.Success)  # the prefill's status arrived
+    # failures too: a prefill-side abort fails the decode's room
+    sender = pm.create_sender(22)
+    recv = dm.create_receiver(22, ADDR)
+    woken_until(recv, d_woken, KVPoll.WaitingForInput)
+    recv.init([5], aux_slot=1)
+    woken_until(sender, p_woken, KVPoll.WaitingForInput)
+    sender.abort("prefill gave up")
+    woken_until(recv, d_woken, KVPoll.Failed)
+
+
 def test_transfer_info_before_sender_and_batch_split(cluster: Cluster) -> None:
     cfg = KVManagerConfig(**{**CFG.__dict__, "max_batch_entries": 5})
     pm, p = cluster.prefill(cfg=cfg)
