@@ -2,7 +2,8 @@
 
 ``main(argv)`` is also what ``pdcluster bootstrap`` calls. It serves until SIGINT or SIGTERM,
 then closes the listener and returns 0; it returns 1 when the port cannot be bound. Bad flags
-exit with status 2 (argparse's ``SystemExit``).
+exit with status 2 (argparse's ``SystemExit``). With a cluster secret (``--cluster-secret``,
+``--cluster-secret-file`` or ``PDC_CLUSTER_SECRET``) every route but ``GET /health`` requires it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 
 from bootstrap_server.server import AsyncBootstrapServer
 from common import envs
+from common.auth import SecretError, resolve_secret
 
 logger = logging.getLogger("bootstrap_server")
 
@@ -23,11 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 to serve other machines (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8998, help="port to listen on, 0 for any free port (default: %(default)s)")
     parser.add_argument("--log-level", default=None, help="log level (default: PDC_LOG_LEVEL or INFO)")
+    parser.add_argument("--cluster-secret", help="require 'Authorization: Bearer SECRET' on every route but /health "
+                        "(default: PDC_CLUSTER_SECRET; none: open)")
+    parser.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file")
     return parser
 
 
-async def _serve(host: str, port: int) -> None:
-    server = AsyncBootstrapServer(host, port)
+async def _serve(host: str, port: int, secret: str | None) -> None:
+    server = AsyncBootstrapServer(host, port, secret=secret)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -46,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     level = (args.log_level or envs.LOG_LEVEL.get()).upper()
     if not isinstance(logging.getLevelName(level), int):
         build_parser().error(f"--log-level {level!r}: expected DEBUG, INFO, WARNING or ERROR")
+    try:
+        secret = resolve_secret(args.cluster_secret, args.cluster_secret_file, envs.CLUSTER_SECRET, "--cluster-secret")
+    except SecretError as exc:
+        build_parser().error(str(exc))
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(args.host, args.port))
+        asyncio.run(_serve(args.host, args.port, secret))
     except OSError as exc:
         logger.error("%s", exc)
         return 1

@@ -2,15 +2,18 @@
 
 Stable API (``url`` is ``"host:port"`` or ``"http://host:port"``; ``bootstrap_url`` builds one)::
 
-    register_rank(url, info: RankInfo, timeout_s=5.0) -> None            # PUT /route
+    register_rank(url, info: RankInfo, timeout_s=5.0, *, secret=None) -> None       # PUT /route
     lookup_rank(url, engine_rank, dp_group, timeout_s=5.0, *, pp_rank=0,
-                retry_interval_s=0.1) -> RankInfo                          # GET /route
-    lookup_layout(url, timeout_s=5.0, *, retry_interval_s=0.1) -> PrefillLayout
+                retry_interval_s=0.1, secret=None) -> RankInfo                        # GET /route
+    lookup_layout(url, timeout_s=5.0, *, retry_interval_s=0.1, secret=None) -> PrefillLayout
     deregister(url, engine_rank, dp_group, *, pp_rank=0, instance_id=None,
-               timeout_s=5.0) -> bool                                      # DELETE /route
-    list_ranks(url, timeout_s=5.0) -> list[RankInfo]                       # GET /routes
-    health(url, timeout_s=1.0) -> bool                                     # GET /health
+               timeout_s=5.0, secret=None) -> bool                                    # DELETE /route
+    list_ranks(url, timeout_s=5.0, *, secret=None) -> list[RankInfo]                  # GET /routes
+    health(url, timeout_s=1.0) -> bool                                                # GET /health
     bootstrap_url(host, port) -> str
+
+``secret``: the cluster secret, sent as ``Authorization: Bearer``; a registry that has one
+answers 401 to every call but ``health`` without it (a ``BootstrapError`` with status 401).
 
 Errors (``bootstrap_server.errors``, all subclasses of ``BootstrapError``, which carries the
 server's ``reason``, the ``url`` and the HTTP ``status``):
@@ -50,6 +53,7 @@ import msgspec
 
 from bootstrap_server.errors import BootstrapError, BootstrapUnreachable, RankNotRegistered
 from bootstrap_server.schema import PrefillLayout, RankInfo
+from common.auth import bearer
 
 DEFAULT_TIMEOUT_S = 5.0
 _MAX_RETRY_INTERVAL_S = 1.0
@@ -87,9 +91,11 @@ def _reason(body: bytes) -> str:
     return err or body.decode("utf-8", "replace")[:500] or "(empty body)"
 
 
-def _request(method: str, url: str, timeout_s: float, body: bytes | None = None) -> tuple[int, bytes]:
+def _request(method: str, url: str, timeout_s: float, body: bytes | None = None,
+             secret: str | None = None) -> tuple[int, bytes]:
     """One HTTP exchange; any status comes back, only transport failures raise."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
+    headers.update(bearer(secret))
     try:
         req = urllib.request.Request(url, data=body, method=method, headers=headers)
         with _opener.open(req, timeout=timeout_s) as resp:
@@ -112,11 +118,11 @@ def _decode(body: bytes, type_: type[T], url: str) -> T:
         raise BootstrapError(f"unexpected answer from bootstrap server: {exc}", url=url, status=200) from exc
 
 
-def _get_retrying_404(url: str, type_: type[T], timeout_s: float, retry_interval_s: float) -> T:
+def _get_retrying_404(url: str, type_: type[T], timeout_s: float, retry_interval_s: float, secret: str | None) -> T:
     deadline = time.monotonic() + timeout_s
     interval = retry_interval_s
     while True:
-        status, body = _request("GET", url, max(deadline - time.monotonic(), _MIN_ATTEMPT_S))
+        status, body = _request("GET", url, max(deadline - time.monotonic(), _MIN_ATTEMPT_S), secret=secret)
         if status == 200:
             return _decode(body, type_, url)
         if status != 404:
@@ -136,10 +142,10 @@ def _route_query(engine_rank: int, dp_group: int, pp_rank: int | None, **extra: 
     return urllib.parse.urlencode(params)
 
 
-def register_rank(url: str, info: RankInfo, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def register_rank(url: str, info: RankInfo, timeout_s: float = DEFAULT_TIMEOUT_S, *, secret: str | None = None) -> None:
     """Register (or replace) one prefill rank; ``BootstrapError`` carries the server's 400 reason."""
     target = f"{_base(url)}/route"
-    status, body = _request("PUT", target, timeout_s, msgspec.json.encode(info))
+    status, body = _request("PUT", target, timeout_s, msgspec.json.encode(info), secret)
     if status != 200:
         raise BootstrapError(_reason(body), url=target, status=status)
 
@@ -152,18 +158,20 @@ def lookup_rank(
     *,
     pp_rank: int = 0,
     retry_interval_s: float = 0.1,
+    secret: str | None = None,
 ) -> RankInfo:
     """Where prefill rank ``(dp_group, engine_rank, pp_rank)`` listens, waiting up to ``timeout_s`` for it."""
     if min(engine_rank, dp_group, pp_rank) < 0:
         raise ValueError(f"rank indices must be >= 0 (use lookup_layout for the node): {engine_rank}, {dp_group}, {pp_rank}")
     target = f"{_base(url)}/route?{_route_query(engine_rank, dp_group, pp_rank)}"
-    return _get_retrying_404(target, RankInfo, timeout_s, retry_interval_s)
+    return _get_retrying_404(target, RankInfo, timeout_s, retry_interval_s, secret)
 
 
-def lookup_layout(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, retry_interval_s: float = 0.1) -> PrefillLayout:
+def lookup_layout(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, retry_interval_s: float = 0.1,
+                  secret: str | None = None) -> PrefillLayout:
     """The prefill node's parallel and KV layout, waiting up to ``timeout_s`` for a first rank."""
     target = f"{_base(url)}/route?{_route_query(-1, -1, None)}"
-    return _get_retrying_404(target, PrefillLayout, timeout_s, retry_interval_s)
+    return _get_retrying_404(target, PrefillLayout, timeout_s, retry_interval_s, secret)
 
 
 def deregister(
@@ -174,12 +182,13 @@ def deregister(
     pp_rank: int = 0,
     instance_id: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    secret: str | None = None,
 ) -> bool:
     """Remove a rank (``-1, -1``: every rank); ``False`` when nothing of it was registered."""
     whole_node = engine_rank == -1 and dp_group == -1
     query = _route_query(engine_rank, dp_group, None if whole_node else pp_rank, instance_id=instance_id)
     target = f"{_base(url)}/route?{query}"
-    status, body = _request("DELETE", target, timeout_s)
+    status, body = _request("DELETE", target, timeout_s, secret=secret)
     if status == 200:
         return _decode(body, dict[str, int], target).get("removed", 0) > 0
     if status in (404, 409):  # not registered / a newer incarnation owns it: nothing of ours left
@@ -187,10 +196,10 @@ def deregister(
     raise BootstrapError(_reason(body), url=target, status=status)
 
 
-def list_ranks(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RankInfo]:
+def list_ranks(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, secret: str | None = None) -> list[RankInfo]:
     """Every registered rank, ordered by ``(dp_group, engine_rank, pp_rank)``."""
     target = f"{_base(url)}/routes"
-    status, body = _request("GET", target, timeout_s)
+    status, body = _request("GET", target, timeout_s, secret=secret)
     if status != 200:
         raise BootstrapError(_reason(body), url=target, status=status)
     return _decode(body, list[RankInfo], target)

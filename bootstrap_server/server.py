@@ -11,6 +11,10 @@ Routes (JSON bodies; every error is ``{"error": "<reason>"}``)::
     GET    /routes                                 every registered RankInfo (for operators)
     GET    /health                                 200 "OK" | 503 (the embedder's health check said no)
 
+With a cluster secret every route but ``GET /health`` needs ``Authorization: Bearer <secret>``
+and answers 401 without it: registering or removing a rank redirects decodes' KV writes, and the
+routes name every rank's control and data-plane address.
+
 404 on ``GET /route`` is "not registered yet": the decode retries it for a bounded time.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ import msgspec
 from aiohttp import web
 
 from bootstrap_server.client import bootstrap_url
+from common.auth import WWW_AUTHENTICATE, RefusalLog, bearer_matches
 from bootstrap_server.registry import Registry, RegistryConflict, format_key
 from bootstrap_server.schema import RankInfo
 
@@ -183,13 +188,32 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(text="OK") if healthy else web.Response(status=503, text="unhealthy")
 
 
-def make_app(registry: Registry | None = None, health_check: HealthCheck | None = None) -> web.Application:
+def _require_secret(secret: str):  # type: ignore[no-untyped-def]
+    refusals = RefusalLog(logger, "a registry request without the cluster secret")
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        if (request.method == "GET" and request.path == "/health") or \
+                bearer_matches(request.headers.get("Authorization"), secret):
+            return await handler(request)
+        given = "no" if "Authorization" not in request.headers else "a wrong"
+        refusals.refused(f"{request.method} {request.path} from {request.remote} with {given} Authorization header")
+        return web.Response(status=401, body=_json.encode({"error": "the bootstrap registry requires the cluster "
+                                                                    "secret: send 'Authorization: Bearer <secret>'"}),
+                            content_type="application/json", headers={"WWW-Authenticate": WWW_AUTHENTICATE})
+
+    return middleware
+
+
+def make_app(registry: Registry | None = None, health_check: HealthCheck | None = None,
+             secret: str | None = None) -> web.Application:
     """The aiohttp application; pass a ``registry`` to share it with in-process code.
 
     ``health_check`` lets an embedding process make ``/health`` (the decode's heartbeat target)
-    fail when its scheduler is stuck although this server's thread still answers.
+    fail when its scheduler is stuck although this server's thread still answers. ``secret``:
+    the cluster secret every other route requires (None: open).
     """
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_require_secret(secret)] if secret else [])
     app[REGISTRY_KEY] = registry if registry is not None else Registry()
     app[HEALTH_KEY] = health_check if health_check is not None else _always_healthy
     app.router.add_put("/route", _put_route)
@@ -223,11 +247,13 @@ class AsyncBootstrapServer:
         port: int = 8998,
         registry: Registry | None = None,
         health_check: HealthCheck | None = None,
+        secret: str | None = None,
     ) -> None:
         self.host = host
         self._requested_port = port
         self.registry = registry if registry is not None else Registry()
         self._health_check = health_check
+        self._secret = secret
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 
@@ -247,7 +273,7 @@ class AsyncBootstrapServer:
             raise RuntimeError("bootstrap server already started")
         sock = _listen_socket(self.host, self._requested_port)
         # access_log=None: decode heartbeats hit /health every second per prefill.
-        runner = web.AppRunner(make_app(self.registry, self._health_check), access_log=None, shutdown_timeout=1.0)
+        runner = web.AppRunner(make_app(self.registry, self._health_check, self._secret), access_log=None, shutdown_timeout=1.0)
         try:
             await runner.setup()
             await web.SockSite(runner, sock).start()
@@ -286,9 +312,10 @@ class BootstrapServer:
         port: int = 8998,
         registry: Registry | None = None,
         health_check: HealthCheck | None = None,
+        secret: str | None = None,
     ) -> None:
         # health_check runs on the server's thread: keep it a cheap, thread-safe read.
-        self._server = AsyncBootstrapServer(host, port, registry, health_check)
+        self._server = AsyncBootstrapServer(host, port, registry, health_check, secret)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 

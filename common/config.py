@@ -104,6 +104,9 @@ class TransferConfig:
     hung_peer_quarantine_s: float = field(default_factory=envs.HUNG_PEER_QUARANTINE_S.get)
     idle_peer_purge_s: float = field(default_factory=envs.IDLE_PEER_PURGE_S.get)
     write_timeout_s: float = field(default_factory=envs.MOONCAKE_TRANSFER_TIMEOUT_S.get)
+    # The cluster's shared secret (common/auth.py), or None: access control off. It guards this
+    # node's HTTP API, its bootstrap registry and the control plane. repr=False: never logged.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         if self.backend not in ("mooncake", "fake"):

@@ -45,6 +45,8 @@ MOONCAKE_PROTOCOL = EnvVar("PDC_MOONCAKE_PROTOCOL", "auto", "mooncake protocol: 
 CPU_THREADS = EnvVar("PDC_CPU_THREADS", 0, "torch threads of a node's scheduler process (0: the cores it may use); --cpu-threads wins")
 CPU_BIND = EnvVar("PDC_CPU_BIND", "", "cores to pin a node's scheduler process to, e.g. 0-3 (empty: no pinning); --cpu-bind wins")
 MOONCAKE_DEVICE = EnvVar("PDC_MOONCAKE_DEVICE", "", "RDMA device names for mooncake (empty: auto)")
+CLUSTER_SECRET = EnvVar("PDC_CLUSTER_SECRET", "", "shared secret of nodes, registry and router (empty: off); --cluster-secret[-file] wins")
+API_KEY = EnvVar("PDC_API_KEY", "", "the router's client API key (empty: off); --api-key[-file] wins")
 
 
 def all_vars() -> list[EnvVar]:

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = IpcEndpoints.fresh()
     child = SchedulerChild(run_scheduler, (cfg, PrefillOptions(), endpoints, bootstrap_url(ns.host, cfg.transfer.bootstrap_port)),
                            "pdc-prefill-scheduler", endpoints)
-    boot = BootstrapServer(ns.host, cfg.transfer.bootstrap_port, health_check=child.alive)
+    boot = BootstrapServer(ns.host, cfg.transfer.bootstrap_port, health_check=child.alive,
+                           secret=cfg.transfer.cluster_secret)
     # Until uvicorn installs its own handlers, SIGTERM must still run the cleanup below.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:

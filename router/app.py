@@ -10,7 +10,8 @@ plus the operator's endpoints.
     GET  /server_info /get_server_info /model_info /get_model_info   a healthy node's answer
     GET  /metrics                                            Prometheus
 
-One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
+With ``--api-key`` every endpoint but /health, /readiness and /liveness needs it (router/auth.py);
+with ``--cluster-secret`` every request to a node carries it as a bearer token. One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
 health probes and the load polls. Handlers are cancelled when their client disconnects, which
 closes both legs of its request.
 """
@@ -26,6 +27,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from common.auth import bearer
+from router.auth import require_api_key
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -66,9 +69,11 @@ CONFIG = web.AppKey("config", RouterConfig)
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     # No pool limit (the cluster's capacity is the limit); a connect is bounded so a dead host
-    # fails a try in seconds. No total timeout here: each request has its own deadline.
+    # fails a try in seconds. No total timeout here: each request has its own deadline. The
+    # cluster secret is a default header: forwards, fan-outs, probes and load polls all carry it.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0))
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                                    headers=bearer(cfg.cluster_secret))
     router = Router(cfg, session)
     app[STATE] = router
     loops = asyncio.create_task(router.workers.run(session, cfg.health_check_interval_s, cfg.load_poll_interval_s,
@@ -221,7 +226,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: RouterConfig) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    middlewares = [require_api_key(cfg.api_key)] if cfg.api_key else []
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[CONFIG] = cfg
     app.cleanup_ctx.append(_lifecycle)
     r = app.router

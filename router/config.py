@@ -2,15 +2,20 @@
 
     pdcluster router --host H --port P --prefill URL [BOOTSTRAP_PORT] ... --decode URL ...
                      [--policy least-loaded|cache-aware|power-of-two|round-robin|random]
+                     [--api-key KEY | --api-key-file PATH] [--cluster-secret S | --cluster-secret-file PATH]
 
 Every flag is parsed and checked here, once; the rest of the router takes a ``RouterConfig`` (or
-its own slice of it) and never reads ``argv`` or the environment.
+its own slice of it) and never reads ``argv`` or the environment (the two secrets fall back to
+``PDC_API_KEY`` / ``PDC_CLUSTER_SECRET`` here, through ``common.envs``).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from common import envs
+from common.auth import SecretError, resolve_secret
 
 POLICIES = ("least-loaded", "cache-aware", "power-of-two", "round-robin", "random")
 ROLES = ("prefill", "decode")
@@ -46,6 +51,10 @@ class RouterConfig:
     load_poll_interval_s: float = 1.0
     cache: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     log_level: str = "info"
+    # Clients must send "Authorization: Bearer <api_key>" (None: open). repr=False: never logged.
+    api_key: str | None = field(default=None, repr=False)
+    # Sent as "Authorization: Bearer <cluster_secret>" on every request to a node (None: nothing).
+    cluster_secret: str | None = field(default=None, repr=False)
 
 
 class ConfigError(ValueError):
@@ -101,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--balance-abs-threshold", type=int, default=32)
     ap.add_argument("--max-tree-chars", type=int, default=2_000_000)
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    ap.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (default: PDC_API_KEY; "
+                    "none: open). A flag shows in `ps`: prefer the variable or --api-key-file")
+    ap.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file (a mounted Secret)")
+    ap.add_argument("--cluster-secret", help="sent to the nodes as 'Authorization: Bearer SECRET' "
+                    "(default: PDC_CLUSTER_SECRET; none: nothing sent)")
+    ap.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file")
     return ap
 
 
@@ -130,6 +145,12 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--cache-threshold must be in [0, 1], got {ns.cache_threshold}")
     if not 0 <= ns.port < 65536:
         raise ConfigError(f"--port {ns.port} is not a port number")
+    try:
+        api_key = resolve_secret(ns.api_key, ns.api_key_file, envs.API_KEY, "--api-key")
+        cluster_secret = resolve_secret(ns.cluster_secret, ns.cluster_secret_file, envs.CLUSTER_SECRET,
+                                        "--cluster-secret")
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from exc
     return RouterConfig(
         host=ns.host, port=ns.port, workers=tuple(workers),
         prefill_policy=ns.prefill_policy or ns.policy, decode_policy=ns.decode_policy or ns.policy,
@@ -137,7 +158,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=ns.health_check_interval_s, health_failure_threshold=ns.health_failure_threshold,
         health_check_timeout_s=ns.health_check_timeout_s, load_poll_interval_s=ns.load_poll_interval_s,
         cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
-        log_level=ns.log_level)
+        log_level=ns.log_level, api_key=api_key, cluster_secret=cluster_secret)
 
 
 def parse_config(argv: list[str]) -> RouterConfig:

@@ -44,7 +44,7 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
 
 def error_body(status: int, message: str) -> dict:
     """The nodes' error shape (OpenAI's), so clients parse one kind of error."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
             504: "GatewayTimeoutError"}.get(status, "Error")
     return {"error": {"message": message, "type": kind, "code": status}}
 
@@ -303,6 +303,10 @@ def _judge(role: str, w: Worker, status: int, raw: bytes) -> dict | list | None 
         msg = str(err["error"]["message"]) if isinstance(err, dict) and isinstance(err.get("error"), dict) else text
     except ValueError:
         msg = text
+    if status == 401:  # the client's key is the router's business: this is our cluster secret
+        log.error("%s %s refuses the router's cluster secret: %s", role, w.url, msg)
+        text = f"{role} {w.url} refused the router's credentials (401): check --cluster-secret"
+        return Failure(text, False, response=error_response(502, text), kind="node_auth")
     if 400 <= status < 500:
         return Failure(f"{role} {w.url} refused the request ({status}): {msg}", False,
                        response=web.Response(body=raw, status=status, content_type="application/json"))

@@ -1,7 +1,7 @@
 """The transfer managers' slice of configuration (built from ``common.config.TransferConfig``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import TransferConfig
 
@@ -21,6 +21,8 @@ class KVManagerConfig:
     # (a live decode pings every heartbeat interval) while no room of ours is bound to it.
     idle_peer_purge_s: float = 60.0
     tick_s: float = 0.05  # background loops wake at least this often to check timers and close()
+    # Seals and checks every control-plane message, and goes to the bootstrap registry, when set.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s", "tick_s"):
@@ -38,13 +40,13 @@ class KVManagerConfig:
 
     @classmethod
     def from_transfer_config(cls, tc: TransferConfig, **overrides: float) -> KVManagerConfig:
-        values: dict[str, float] = dict(
+        values: dict[str, float | str | None] = dict(
             bootstrap_timeout_s=tc.bootstrap_timeout_s, waiting_timeout_s=tc.waiting_timeout_s,
             heartbeat_interval_s=tc.heartbeat_interval_s, heartbeat_max_failures=tc.heartbeat_max_failures,
             num_workers=tc.num_workers, max_batch_entries=tc.max_batch_entries,
             # Quarantine must outlast one blocked engine write, or a hung peer's write could land late.
             hung_peer_quarantine_s=max(tc.hung_peer_quarantine_s, tc.write_timeout_s),
-            idle_peer_purge_s=tc.idle_peer_purge_s,
+            idle_peer_purge_s=tc.idle_peer_purge_s, cluster_secret=tc.cluster_secret,
         )
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

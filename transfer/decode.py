@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 import zmq
 from bootstrap_server.schema import DecodeLayout, check_receivable
 
-from transfer import messages as m
-from transfer import wire
+from transfer import messages as m, wire
 from transfer.args import KVArgs
 from transfer.base import BootstrapClient, DataPlane
+from transfer.bootstrap import with_cluster_secret
 from transfer.config import KVManagerConfig
+from transfer.control_auth import control_auth
 from transfer.descriptors import index_list
 from transfer.errors import TransferError
 from transfer.handles import DecodeKVReceiver
@@ -75,7 +76,7 @@ class DecodeKVManager:
         config: KVManagerConfig = KVManagerConfig(),
     ) -> None:
         self.args, self.engine, self.config = args, engine, config
-        self._bootstrap = bootstrap
+        self._bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self.instance_id = uuid.uuid4().hex
         self._decode_layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name)
         self._lock = threading.Lock()
@@ -91,7 +92,7 @@ class DecodeKVManager:
         # fails now rather than at its timeout.
         self._todo: queue.Queue[int | tuple[int, str, str, bool] | None] = queue.Queue()
         self._ctx = zmq.Context()
-        self._push = PushSockets(self._ctx)
+        self._push = PushSockets(self._ctx, control_auth(config.cluster_secret))
         self._pull, port = bind_pull(self._ctx, args.host)
         self.status_endpoint = f"tcp://{args.host}:{port}"
         try:
@@ -106,7 +107,7 @@ class DecodeKVManager:
             threading.Thread(target=self._connect_loop, name="pdc-decode-connect", daemon=True),
             threading.Thread(
                 target=serve_pull, name="pdc-decode-status", daemon=True,
-                args=(self._pull, m.decode_to_decode, self._handle, lambda: None, self._stop, config.tick_s, "decode status"),
+                args=(self._pull, m.decode_to_decode, self._handle, lambda: None, self._stop, config.tick_s, "decode status", self._push.auth),
             ),
             threading.Thread(target=self._heartbeat_loop, name="pdc-decode-heartbeat", daemon=True),
         ]

@@ -42,6 +42,8 @@ from transfer.handles import PrefillKVSender
 from transfer.poll import KVPoll
 from transfer.prefill_control import PrefillControl, PrefillRoom
 from transfer.worker import Chunk, Target, TransferWorker
+from transfer.bootstrap import with_cluster_secret
+from transfer.control_auth import control_auth
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
 log = logging.getLogger(__name__)
@@ -65,10 +67,12 @@ class PrefillKVManager(PrefillControl):
     ) -> None:
         super().__init__(args, config)
         self.engine = engine
-        self._bootstrap, self._bootstrap_addr = bootstrap, bootstrap_addr
+        self._bootstrap = bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
+        self._bootstrap_addr = bootstrap_addr
+        auth = control_auth(config.cluster_secret)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._push = PushSockets(self._ctx)
+        self._push = PushSockets(self._ctx, auth)
         self._pull, port = bind_pull(self._ctx, args.host)
         self.endpoint = f"tcp://{args.host}:{port}"
         # One staging aux row per worker: a worker copies the room's record there, then writes it.
@@ -89,6 +93,7 @@ class PrefillKVManager(PrefillControl):
         boot = threading.Thread(
             target=serve_pull, name="pdc-prefill-bootstrap", daemon=True,
             args=(self._pull, m.decode_to_prefill, self._handle, self._on_tick, self._stop, config.tick_s, "prefill bootstrap"),
+            kwargs={"auth": auth},
         )
         self._threads = [boot, *(w.thread for w in self._workers)]
         for t in self._threads:

@@ -3,7 +3,8 @@
 ZMQ sockets are not thread-safe: each PUSH socket is guarded by its own lock (several threads
 send), each PULL socket is used only by the thread that serves it. Sends never block: a peer
 whose queue is full or that is gone simply loses the message, and the protocol's timeouts and
-heartbeats turn that into a Failed room.
+heartbeats turn that into a Failed room. With a ``ControlAuth`` every frame sent is sealed with
+the cluster secret's tag and every frame received must carry a valid one (transfer/control_auth.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from common.auth import RefusalLog
 from transfer import messages
+from transfer.control_auth import ControlAuth
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +27,9 @@ _SNDHWM = 10_000  # messages queued per peer before sends are dropped
 class PushSockets:
     """PUSH sockets by endpoint, created on first use, purged when a peer is declared dead."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, auth: ControlAuth | None = None) -> None:
         self._ctx = ctx
+        self.auth = auth  # seals what is sent; the manager's PULL loop checks with the same
         self._lock = threading.Lock()
         self._socks: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
         self._closed = False
@@ -61,6 +65,8 @@ class PushSockets:
                 return False
             sock, lock = entry
             data = messages.encode(msg)
+            if self.auth is not None:
+                data = self.auth.seal(data)
             with lock:
                 if sock.closed:
                     return False
@@ -117,12 +123,16 @@ def serve_pull(
     stop: threading.Event,
     tick_s: float,
     name: str,
+    auth: ControlAuth | None = None,
 ) -> None:
     """Receive, decode and handle messages until ``stop``; a bad message is logged and dropped.
 
     ``on_tick`` runs at least every ``tick_s`` (timers). Nothing a peer sends can end the loop:
-    decode errors and handler exceptions are both caught here. Closes ``sock`` on exit.
+    decode errors and handler exceptions are both caught here. With ``auth`` a frame without a
+    valid tag is dropped before it is decoded. Closes ``sock`` on exit.
     """
+    refusals = RefusalLog(log, f"{name}: a control message without a valid cluster-secret tag "
+                               "(a peer without the cluster secret, or with another one)")
     try:
         while not stop.is_set():
             if sock.poll(int(tick_s * 1000)):
@@ -131,7 +141,11 @@ def serve_pull(
                 try:
                     if len(frames) != 1:
                         raise msgspec.DecodeError(f"expected 1 frame, got {len(frames)}")
-                    msg = decode(frames[0])
+                    payload = frames[0] if auth is None else auth.open(frames[0])
+                    if payload is None:
+                        refusals.refused(f"{len(frames[0])} bytes dropped")
+                    else:
+                        msg = decode(payload)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.warning("%s: dropping malformed message (%d bytes): %s", name, sum(map(len, frames)), exc)
                 if msg is not None:

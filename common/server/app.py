@@ -2,6 +2,7 @@
 
 Generation endpoints parse and validate here (400 before anything reaches the scheduler), then
 hand over to ``generation.serve``. Ops endpoints answer from config or from a scheduler query.
+With ``cfg.cluster_secret`` every route but /health needs it (common/server/auth.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.request import SamplingParams
+from common.server.auth import RequireClusterSecret
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request, error_response
 from common.server.generation import Inflight, serve, wait_finished
@@ -76,6 +78,8 @@ def create_app(cfg: ApiConfig, scheduler: SchedulerClient, tokenizer: TokenizerL
 
     app = FastAPI(title="pdcluster node", version=VERSION, lifespan=lifespan)
     app.state.cfg, app.state.scheduler, app.state.tokenizer, app.state.metrics = cfg, scheduler, tokenizer, metrics
+    if cfg.cluster_secret is not None:
+        app.add_middleware(RequireClusterSecret, secret=cfg.cluster_secret)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -32,6 +32,8 @@ class ApiConfig:
     max_batch_size: int = 10000  # sub-requests per HTTP request (batch items x n)
     # Extra keys merged into /server_info (page size, max_total_tokens, ... from the launcher).
     server_info_extra: dict = field(default_factory=dict)
+    # With a secret, every route but /health needs "Authorization: Bearer <secret>" (repr=False).
+    cluster_secret: str | None = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -64,12 +66,14 @@ class ApiConfig:
             host=cfg.server.host,
             port=cfg.server.port,
             bootstrap_port=cfg.transfer.bootstrap_port,
+            cluster_secret=cfg.transfer.cluster_secret,
             server_info_extra={
                 "page_size": cfg.cache.page_size,
                 "max_total_tokens": cfg.cache.max_total_tokens,
                 "max_running_requests": cfg.cache.max_running_requests,
                 "chunked_prefill_size": cfg.sched.chunked_prefill_size,
                 "disaggregation_transfer_backend": cfg.transfer.backend,
+                "cluster_secret_required": cfg.transfer.cluster_secret is not None,
             },
             **extra,  # type: ignore[arg-type]
         )

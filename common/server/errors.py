@@ -5,6 +5,7 @@ from fastapi.responses import JSONResponse
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from common import envs
+from common.auth import SecretError, resolve_secret
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, ServerConfig, TransferConfig
 from common.cpu_budget import CpuBudgetError, CpuConfig, apply_scheduler_budget, cpu_config
 from common.protocol import IpcEndpoints
@@ -66,6 +67,9 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--cpu-threads", type=int, help="torch threads of the scheduler process (default: PDC_CPU_THREADS, "
                    "else the cores it may use; pdcluster up divides the cores among its nodes)")
     p.add_argument("--cpu-bind", help="pin the scheduler process to these cores, e.g. 0-3,8 (default: PDC_CPU_BIND; none)")
+    p.add_argument("--cluster-secret", help="shared secret the router and peers must present (default: "
+                   "PDC_CLUSTER_SECRET; none: access control off). A flag shows in `ps`: prefer the variable or the file")
+    p.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file (a mounted Secret)")
 
 
 def model_config(ns: argparse.Namespace) -> ModelConfig:
@@ -80,7 +84,12 @@ def cache_config(ns: argparse.Namespace, *, enable_prefix_cache: bool) -> CacheC
 
 
 def transfer_config(ns: argparse.Namespace) -> TransferConfig:
-    return TransferConfig(backend=ns.disaggregation_transfer_backend, bootstrap_port=ns.disaggregation_bootstrap_port)
+    try:
+        secret = resolve_secret(ns.cluster_secret, ns.cluster_secret_file, envs.CLUSTER_SECRET, "--cluster-secret")
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from exc
+    return TransferConfig(backend=ns.disaggregation_transfer_backend, bootstrap_port=ns.disaggregation_bootstrap_port,
+                          cluster_secret=secret)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

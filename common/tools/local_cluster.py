@@ -10,6 +10,11 @@ scheduler, mooncake threads) — SIGTERM, then SIGKILL after a grace period. Wit
 output goes to one log file per process (their tails are shown when one fails to start); without,
 it goes to this process's terminal. Processes are recorded as they start, so a start-up failure
 followed by ``stop()`` leaves nothing running.
+
+Access control (off by default): ``cluster_secret`` reaches every node and the router as
+``PDC_CLUSTER_SECRET`` in their environment (not argv, which ``ps`` shows), ``api_key`` the router
+as ``PDC_API_KEY``. sglang-router has one key for clients and workers (``--api-key``), so with it
+both must be the same. ``headers()`` is what a caller of this cluster sends.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
+from common import envs
+from common.auth import bearer
 from common.cpu_budget import split_threads
 
 STOP_GRACE_S = 15.0
@@ -43,15 +50,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def get_json(url: str, timeout_s: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+def get_json(url: str, timeout_s: float = 10, headers: dict[str, str] | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as r:
         return json.loads(r.read())
 
 
-def _get_status(url: str) -> tuple[int, object]:
+def _get_status(url: str, headers: dict[str, str] | None = None) -> tuple[int, object]:
     """(HTTP status, JSON body or None); (0, None) when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as exc:
         return exc.code, None
@@ -78,6 +85,16 @@ class LocalCluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # name -> process (group leader)
     logs: list[str] = field(default_factory=list)
     argv: dict[str, list[str]] = field(default_factory=dict)  # name -> command line, for restart()
+    # None: open to anyone. The defaults are what the children would inherit from our environment.
+    cluster_secret: str | None = field(default_factory=lambda: envs.CLUSTER_SECRET.get() or None, repr=False)
+    api_key: str | None = field(default_factory=lambda: envs.API_KEY.get() or None, repr=False)
+    _router_kind: str = field(default="ours", init=False, repr=False)
+
+    def headers(self, to: str = "router") -> dict[str, str]:
+        """What a client sends to the router (``to="router"``) or to a node (``"node"``)."""
+        if to == "router":
+            return bearer(self.api_key or (self.cluster_secret if self._router_kind == "sglang" else None))
+        return bearer(self.cluster_secret)
 
     @property
     def prefills(self) -> list[NodeInfo]:
@@ -97,6 +114,10 @@ class LocalCluster:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
+        if router == "sglang" and self.api_key and self.cluster_secret and self.api_key != self.cluster_secret:
+            raise ValueError("sglang-router sends its one --api-key to the workers too: with a cluster secret, "
+                             "the API key must be the same or unset")
+        self._router_kind = router
         common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
                   "--disaggregation-transfer-backend", backend]
         # The nodes share this host's cores: each scheduler gets its share of torch threads, unless
@@ -125,8 +146,9 @@ class LocalCluster:
                                    "--log-level", "warning", *router_args])
             self._wait("router", self._all_workers_healthy, deadline)
         else:
+            key = self.api_key or self.cluster_secret  # sglang-router takes no variable for it
             self._spawn("router", [SGLANG_ROUTER_PYTHON, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                   *self._router_argv(router_host, port),
+                                   *self._router_argv(router_host, port), *(["--api-key", key] if key else []),
                                    # its metrics port defaults to a fixed 29000 that two runs would fight over
                                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                                    "--shutdown-grace-period-secs", "1", "--log-level", "warn", *router_args])
@@ -144,14 +166,14 @@ class LocalCluster:
         return argv
 
     def _all_workers_healthy(self) -> bool:
-        status, body = _get_status(f"{self.router_url}/workers")
+        status, body = _get_status(f"{self.router_url}/workers", self.headers())
         if status != 200 or not isinstance(body, dict):
             return False
         workers = body.get("workers", [])
         return len(workers) == len(self.nodes) and all(w.get("healthy") for w in workers)
 
     def _sglang_ready(self) -> bool:
-        status, body = _get_status(f"{self.router_url}/readiness")
+        status, body = _get_status(f"{self.router_url}/readiness", self.headers())
         return status == 200 and isinstance(body, dict) and body.get("healthy_workers") == len(self.nodes)
 
     def spawn(self, name: str, argv: list[str], health_url: str, timeout_s: float) -> None:
@@ -166,6 +188,10 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         env = {"PDC_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR", **os.environ, **self.env}
+        if self.cluster_secret:
+            env["PDC_CLUSTER_SECRET"] = self.cluster_secret
+        if self.api_key and name == "router":
+            env["PDC_API_KEY"] = self.api_key
         env["PYTHONPATH"] = os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)
         self.argv[name] = argv
         log: IO[str] | None = None

@@ -2,10 +2,12 @@
 front — for a first run, a demo or local development.
 
     pdcluster up [--model-path DIR] [--port 8000] [--num-prefill N] [--num-decode M] [--demo]
+                 [--api-key KEY] [--cluster-secret SECRET]
 
 Without ``--model-path`` it makes a tiny random-weight model (its text is noise; the tests check
 the tokens against HF). It prints the router's URL, the one address clients need, and runs until
-Ctrl-C or SIGTERM, then stops every child by process group. ``--demo`` sends one chat request
+Ctrl-C or SIGTERM, then stops every child by process group. Access control is off unless
+``--api-key`` / ``--cluster-secret`` (or ``PDC_API_KEY`` / ``PDC_CLUSTER_SECRET``) are given. ``--demo`` sends one chat request
 through the router, prints the answer and both kinds of node's memory report, and shuts down.
 """
 from __future__ import annotations
@@ -19,11 +21,14 @@ import tempfile
 import time
 import urllib.request
 
+from common import envs
+from common.auth import SecretError, resolve_secret
 from common.tools.local_cluster import ROUTERS, LocalCluster, get_json
 
 
-def post_json(url: str, body: dict, timeout_s: float = 120) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, timeout_s: float = 120, headers: dict[str, str] | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
 
@@ -48,7 +53,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--prompt", default="Disaggregated serving splits prefill and decode because")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--startup-timeout", type=float, default=180.0)
+    ap.add_argument("--api-key", help="clients of the router must send 'Authorization: Bearer KEY' (default: PDC_API_KEY)")
+    ap.add_argument("--cluster-secret", help="nodes, registry and control plane require it (default: PDC_CLUSTER_SECRET)")
     args = ap.parse_args(argv)
+    try:
+        args.api_key = resolve_secret(args.api_key, None, envs.API_KEY, "--api-key")
+        args.cluster_secret = resolve_secret(args.cluster_secret, None, envs.CLUSTER_SECRET, "--cluster-secret")
+    except SecretError as exc:
+        ap.error(str(exc))
     if args.num_prefill < 1 or args.num_decode < 1:
         ap.error("--num-prefill and --num-decode must be >= 1")
     if args.demo and args.router == "none":
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     model = args.model_path or tiny_model_dir()
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    cluster = LocalCluster()
+    cluster = LocalCluster(cluster_secret=args.cluster_secret, api_key=args.api_key)
     router_args = ["--policy", args.policy] if args.router == "ours" else []
     try:
         url = cluster.start(model, backend=args.transfer_backend, page_size=args.page_size,
@@ -89,13 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         body = {"model": None, "messages": [{"role": "user", "content": args.prompt}],
                 "max_tokens": args.max_new_tokens, "temperature": 0}
-        out = post_json(f"{url}/v1/chat/completions", body)
+        out = post_json(f"{url}/v1/chat/completions", body, headers=cluster.headers())
         note = "  (random weights: the text is noise; make test checks the tokens against HF)" if args.model_path is None else ""
         print("request :", args.prompt)
         print("answer  :", json.dumps(out["choices"][0]["message"]["content"]) + note)
         print("usage   :", json.dumps(out.get("usage")))
         for n in cluster.nodes:
-            print(f"memory  : {n.name:<9}", json.dumps(get_json(n.url + "/debug/memory")))
+            print(f"memory  : {n.name:<9}", json.dumps(get_json(n.url + "/debug/memory", headers=cluster.headers("node"))))
         return 0
     except KeyboardInterrupt:
         return 0

@@ -104,8 +104,8 @@ def wait_healthy(nodes: list[Node], timeout_s: float = STARTUP_TIMEOUT_S) -> Non
             time.sleep(0.3)
 
 
-def memory(url: str) -> dict:
-    r = httpx.get(url + "/debug/memory", timeout=10)
+def memory(url: str, headers: dict[str, str] | None = None) -> dict:
+    r = httpx.get(url + "/debug/memory", timeout=10, headers=headers)
     r.raise_for_status()
     return r.json()
 
@@ -120,11 +120,12 @@ def is_idle(mem: dict) -> bool:
     return ok
 
 
-def wait_idle(url: str, timeout_s: float = IDLE_TIMEOUT_S) -> dict:
-    """Poll /debug/memory until the node holds nothing (bounded); returns the last report."""
+def wait_idle(url: str, timeout_s: float = IDLE_TIMEOUT_S, headers: dict[str, str] | None = None) -> dict:
+    """Poll /debug/memory until the node holds nothing (bounded); returns the last report.
+    ``headers``: the cluster secret, for a node that requires it."""
     deadline = time.monotonic() + timeout_s
     while True:
-        mem = memory(url)
+        mem = memory(url, headers)
         if is_idle(mem):
             return mem
         if time.monotonic() > deadline:

@@ -52,6 +52,8 @@ class Fake:
     received: list[dict] = field(default_factory=list)
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # a generation connection went away early
     other: list[str] = field(default_factory=list)  # paths of non-generation POSTs
+    auth: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Authorization) of every request
+    status: int = 200  # what every route but /health answers (401: a node refusing our credentials)
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -75,7 +77,14 @@ class Fake:
             self.other.append(request.path)
             return web.json_response({"success": True})
 
-        app = web.Application()
+        @web.middleware
+        async def record_auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
+            self.auth.append((request.path, request.headers.get("Authorization")))
+            if self.status != 200 and request.path != "/health":
+                return web.json_response({"error": {"message": "refused", "code": self.status}}, status=self.status)
+            return await handler(request)
+
+        app = web.Application(middlewares=[record_auth])
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, gen)
         app.router.add_get("/health", health)
@@ -119,11 +128,12 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def router_over(prefills: list[Handler], decodes: list[Handler], *flags: str,
-                      healthy: bool = True) -> AsyncIterator[Cluster]:
-    """Scripted workers with the real router in front; everything stopped on exit."""
+                      healthy: bool = True, headers: dict[str, str] | None = None) -> AsyncIterator[Cluster]:
+    """Scripted workers with the real router in front; everything stopped on exit. ``headers``:
+    what the test's client session sends on every request (an API key)."""
     fakes: list[Fake] = []
     runner: web.AppRunner | None = None
-    session = aiohttp.ClientSession()
+    session = aiohttp.ClientSession(headers=headers)
     try:
         ps = [await Fake(h).start() for h in prefills]
         ds = [await Fake(h).start() for h in decodes]

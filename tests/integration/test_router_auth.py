@@ -1,0 +1,99 @@
+"""The router's access control over scripted workers (tests/integration/test_router_http.py's
+fakes, which record the Authorization header of everything they receive): ``--api-key`` guards
+every endpoint but the probes, ``--cluster-secret`` goes to the nodes on every request, and the
+client's key never does."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.integration.test_router_http import GEN, ok_decode, ok_prefill, router_over
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+KEY = "client-api-key-0123456789abcdef"
+SECRET = "cluster-secret-0123456789abcdef"
+GOOD = {"Authorization": f"Bearer {KEY}"}
+GUARDED = [("POST", "/generate", GEN), ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+           ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+           ("GET", "/v1/models", None), ("GET", "/workers", None), ("POST", "/workers", {}),
+           ("DELETE", "/workers?url=http://x:1", None), ("POST", "/flush_cache", {}),
+           ("POST", "/abort_request", {"abort_all": True}), ("GET", "/server_info", None), ("GET", "/metrics", None)]
+
+
+async def _call(session: aiohttp.ClientSession, url: str, method: str, path: str, body: object,
+                headers: dict[str, str]) -> tuple[int, object, dict]:
+    async with session.request(method, url + path, json=body, headers=headers) as r:
+        raw = await r.read()
+        parsed = await r.json(content_type=None) if raw.startswith(b"{") else raw
+        return r.status, parsed, dict(r.headers)
+
+
+def test_api_key_guards_every_endpoint_but_the_probes() -> None:
+    async def body() -> None:
+        async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, headers=GOOD) as c:
+            bad_headers = [{}, {"Authorization": "Bearer wrong-key-0123456789abcdef"}, {"Authorization": KEY},
+                           {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}]
+            async with aiohttp.ClientSession() as anonymous:
+                for method, path, payload in GUARDED:
+                    for headers in bad_headers:
+                        status, out, resp_headers = await _call(anonymous, c.url, method, path, payload, headers)
+                        assert status == 401, f"{method} {path} with {headers}: {status} {out}"
+                        assert out == {"error": {"message": "missing or invalid API key: send 'Authorization: "
+                                                            "Bearer <key>'", "type": "AuthenticationError", "code": 401}}
+                        assert resp_headers["WWW-Authenticate"].startswith("Bearer")
+                for path in ("/health", "/readiness", "/liveness"):
+                    status, _, _ = await _call(anonymous, c.url, "GET", path, None, {})
+                    assert status == 200, path
+            # nothing refused reached a worker
+            assert all(not f.received and not f.other for f in c.prefills + c.decodes)
+            # the key opens everything (the scheme is case-insensitive, as RFC 6750 says)
+            assert (await c.post("/generate", GEN))[0] == 200
+            status, _, _ = await _call(c.session, c.url, "POST", "/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "hi"}]}, {"Authorization": f"bearer {KEY}"})
+            assert status == 200
+            assert (await c.post("/flush_cache", {}))[0] == 200
+            async with c.session.get(c.url + "/metrics") as r:
+                assert r.status == 200 and "pdc_router_requests_total" in await r.text()
+
+    asyncio.run(body())
+
+
+def test_the_cluster_secret_reaches_every_node_request_and_the_api_key_none() -> None:
+    async def body() -> None:
+        async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--cluster-secret", SECRET,
+                               headers=GOOD) as c:
+            assert (await c.post("/generate", GEN))[0] == 200
+            assert (await c.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}))[0] == 200
+            assert (await c.post("/flush_cache", {}))[0] == 200
+            await asyncio.sleep(0.3)  # a few health probes and load polls
+            for f in c.prefills + c.decodes:
+                paths = {p for p, _ in f.auth}
+                assert {"/health", "/get_load", "/flush_cache"} <= paths
+                assert {"/generate", "/v1/chat/completions"} <= paths
+                assert {a for _, a in f.auth} == {f"Bearer {SECRET}"}, f.auth
+
+    asyncio.run(body())
+
+
+def test_without_secrets_nothing_is_required_or_sent() -> None:
+    async def body() -> None:
+        async with router_over([ok_prefill], [ok_decode]) as c:
+            assert (await c.post("/generate", GEN))[0] == 200
+            assert {a for f in c.prefills + c.decodes for _, a in f.auth} == {None}
+
+    asyncio.run(body())
+
+
+def test_a_node_refusing_the_cluster_secret_is_a_502_naming_it_not_the_clients_401() -> None:
+    async def body() -> None:
+        async with router_over([ok_prefill], [ok_decode], "--cluster-secret", SECRET) as c:
+            c.decodes[0].status = 401
+            status, out = await c.post("/generate", GEN)
+            assert status == 502, out
+            assert "--cluster-secret" in out["error"]["message"]  # type: ignore[index]
+            assert len(c.decodes[0].auth) > 0 and not c.decodes[0].received  # refused, and not retried forever
+
+    asyncio.run(body())

@@ -1,0 +1,211 @@
+"""Access control off the network path: reading the secrets (flag, file, variable), the node API's
+check (the real app, in process, over a recording stand-in scheduler) and the bootstrap registry's
+(a real server on a loopback port, driven by the real client). The router's check is in
+tests/integration/test_router_auth.py, the control plane's in tests/unit/test_transfer_auth.py."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from bootstrap_server.client import deregister, list_ranks, lookup_layout, lookup_rank, register_rank
+from bootstrap_server.errors import BootstrapError
+from bootstrap_server.server import BootstrapServer
+from common import envs
+from common.auth import SecretError, bearer_matches, resolve_secret
+from common.config import ConfigError
+from common.server.app import create_app
+from common.server.config import ApiConfig
+from common.server.node_launch import transfer_config
+from decode_node.__main__ import build_parser as decode_parser
+from router.config import ConfigError as RouterConfigError
+from router.config import parse_config
+from tests.unit.test_bootstrap_server import rank
+from transfer.bootstrap import HttpBootstrapClient
+from transfer.config import KVManagerConfig
+
+SECRET = "cluster-secret-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+
+
+# ---- reading and comparing secrets --------------------------------------------------------------
+
+
+def test_flag_then_file_then_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "secret"
+    f.write_text(f"  {SECRET}-file\n")  # a mounted Secret often ends in a newline
+    monkeypatch.setenv("PDC_CLUSTER_SECRET", f"{SECRET}-env")
+    assert resolve_secret(SECRET, None, envs.CLUSTER_SECRET, "--cluster-secret") == SECRET
+    assert resolve_secret(None, str(f), envs.CLUSTER_SECRET, "--cluster-secret") == f"{SECRET}-file"
+    assert resolve_secret(None, None, envs.CLUSTER_SECRET, "--cluster-secret") == f"{SECRET}-env"
+    monkeypatch.setenv("PDC_CLUSTER_SECRET", "")
+    assert resolve_secret(None, None, envs.CLUSTER_SECRET, "--cluster-secret") is None  # off by default
+
+
+@pytest.mark.parametrize("value,path,match", [
+    ("short", None, "at least 16 characters"),
+    ("with a space 0123456789", None, "without spaces"),
+    ("caf\u00e9-0123456789abcdef", None, "printable ASCII"),
+    (SECRET, "file", "not both"),
+    (None, "/nonexistent/secret", "cannot read '/nonexistent/secret'"),
+    (None, "empty", "is empty"),
+])
+def test_bad_secrets_are_refused_naming_the_flag(tmp_path: Path, value: str | None, path: str | None,
+                                                 match: str) -> None:
+    if path in ("file", "empty"):
+        p = tmp_path / path
+        p.write_text(SECRET if path == "file" else "\n")
+        path = str(p)
+    with pytest.raises(SecretError, match=match) as err:
+        resolve_secret(value, path, envs.CLUSTER_SECRET, "--cluster-secret")
+    assert "--cluster-secret" in str(err.value) and (value is None or value == SECRET or value not in str(err.value))
+
+
+def test_a_bad_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDC_API_KEY", "tiny")
+    with pytest.raises(RouterConfigError, match="PDC_API_KEY must be at least 16"):
+        parse_config([])
+
+
+def test_bearer_matches_only_the_exact_token() -> None:
+    assert bearer_matches(f"Bearer {SECRET}", SECRET) and bearer_matches(f"bearer  {SECRET} ", SECRET)
+    for header in (None, "", SECRET, f"Basic {SECRET}", f"Bearer {SECRET[:-1]}", f"Bearer {SECRET}x", "Bearer ",
+                   "Bearer caf\u00e9"):
+        assert not bearer_matches(header, SECRET), header
+
+
+def test_router_and_node_flags_carry_secrets_that_never_show_in_a_repr(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    monkeypatch.setenv("PDC_CLUSTER_SECRET", SECRET)
+    cfg = parse_config(["--api-key", "k" * 16])
+    assert (cfg.api_key, cfg.cluster_secret) == ("k" * 16, SECRET) and SECRET not in repr(cfg)
+    tc = transfer_config(decode_parser().parse_args(["--model-path", str(tmp_path)]))
+    assert tc.cluster_secret == SECRET and SECRET not in repr(tc)
+    assert SECRET not in repr(KVManagerConfig.from_transfer_config(tc))
+    ns = decode_parser().parse_args(["--model-path", str(tmp_path), "--cluster-secret", "short"])
+    with pytest.raises(ConfigError, match="--cluster-secret must be at least 16"):
+        transfer_config(ns)
+    assert SECRET not in repr(HttpBootstrapClient().with_secret(SECRET))
+
+
+# ---- the node API ---------------------------------------------------------------------------------
+
+
+class RecordingScheduler:
+    """What the app asks of its SchedulerClient, recorded; it answers like an idle scheduler."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gone_reason: str | None = None
+        self.ready = threading.Event()
+        self.ready.set()
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def query(self, what: str, timeout_s: float) -> dict:
+        self.calls.append(what)
+        return {"num_reqs": 0} if what == "load" else {"free_pages": 1}
+
+    async def flush_cache(self, timeout_s: float) -> dict:
+        self.calls.append("flush_cache")
+        return {"success": True}
+
+    def is_inflight(self, rid: str) -> bool:
+        self.calls.append(f"is_inflight {rid}")
+        return True
+
+    def abort(self, rid: str) -> None:
+        self.calls.append(f"abort {rid}")
+
+
+def _node(secret: str | None) -> tuple[TestClient, RecordingScheduler]:
+    sched = RecordingScheduler()
+    cfg = ApiConfig(role="prefill", model_path="/m", context_length=64, cluster_secret=secret)
+    return TestClient(create_app(cfg, sched, None)), sched  # type: ignore[arg-type]  # no tokenizer: never reached
+
+
+NODE_ROUTES = [("POST", "/abort_request", {"rid": "r1"}), ("POST", "/flush_cache", None),
+               ("GET", "/debug/memory", None), ("GET", "/get_load", None), ("GET", "/metrics", None),
+               ("POST", "/generate", {"text": "hi"}), ("POST", "/v1/chat/completions", {}),
+               ("GET", "/server_info", None), ("GET", "/v1/models", None), ("GET", "/health_generate", None),
+               ("GET", "/openapi.json", None)]
+
+
+def test_a_node_with_a_secret_refuses_every_route_but_health_without_it() -> None:
+    client, sched = _node(SECRET)
+    for method, path, body in NODE_ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong-secret-0123456789ab"}, {"Authorization": SECRET}):
+            r = client.request(method, path, json=body, headers=headers)
+            assert r.status_code == 401, f"{method} {path} {headers}: {r.status_code} {r.text}"
+            assert r.json()["error"]["type"] == "AuthenticationError" and r.headers["www-authenticate"].startswith("Bearer")
+    assert sched.calls == []  # nothing refused reached the scheduler: no abort, no flush
+    assert client.get("/health").status_code == 200
+    r = client.post("/abort_request", json={"rid": "r1"}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"aborted": ["r1"]}
+    assert client.post("/flush_cache", headers=AUTH).json()["success"] is True
+    assert client.get("/debug/memory", headers=AUTH).status_code == 200
+    assert sched.calls == ["is_inflight r1", "abort r1", "flush_cache", "memory"]
+
+
+def test_a_node_without_a_secret_is_open_as_before() -> None:
+    client, sched = _node(None)
+    assert client.post("/abort_request", json={"rid": "r1"}).status_code == 200
+    assert client.post("/flush_cache").status_code == 200
+    assert sched.calls == ["is_inflight r1", "abort r1", "flush_cache"]
+
+
+# ---- the bootstrap registry -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry() -> Iterator[BootstrapServer]:
+    srv = BootstrapServer("127.0.0.1", 0, secret=SECRET)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _raw(srv: BootstrapServer, method: str, path: str, headers: dict[str, str], body: bytes | None = None) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        payload = resp.read()
+        if resp.status == 401:
+            assert "cluster secret" in json.loads(payload)["error"]
+        return resp.status
+    finally:
+        conn.close()
+
+
+def test_the_registry_refuses_registration_and_lookups_without_the_secret(registry: BootstrapServer) -> None:
+    info = rank()
+    for secret in (None, "wrong-secret-0123456789abcdef"):
+        with pytest.raises(BootstrapError) as err:
+            register_rank(registry.url, info, secret=secret)
+        assert err.value.status == 401
+    assert registry.registry.ranks() == []  # nothing registered
+    body = json.dumps({"rank_ip": "10.0.0.66"}).encode()
+    for method, path in [("PUT", "/route"), ("DELETE", "/route?engine_rank=-1&target_dp_group=-1"), ("GET", "/routes"),
+                         ("GET", "/route?engine_rank=-1&target_dp_group=-1")]:
+        assert _raw(registry, method, path, {}, body if method == "PUT" else None) == 401, (method, path)
+    assert _raw(registry, "GET", "/health", {}) == 200
+    register_rank(registry.url, info, secret=SECRET)
+    assert [r.rank_port for r in list_ranks(registry.url, secret=SECRET)] == [info.rank_port]
+    with pytest.raises(BootstrapError) as err:  # a lookup without it fails at once, not after retries
+        lookup_rank(registry.url, 0, 0, timeout_s=5.0)
+    assert err.value.status == 401
+    assert lookup_layout(registry.url, secret=SECRET).tp_size == info.tp_size
+    assert HttpBootstrapClient(secret=SECRET).lookup_rank(registry.url, 0, 0).rank_port == info.rank_port
+    assert _raw(registry, "DELETE", "/route?engine_rank=-1&target_dp_group=-1", {}) == 401
+    assert len(registry.registry.ranks()) == 1  # the refused DELETE removed nothing
+    assert deregister(registry.url, 0, 0, secret=SECRET) is True
