@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from common.auth import bearer
+from router import dashboard
 from router.auth import require_api_key
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
@@ -246,4 +247,5 @@ def create_app(cfg: RouterConfig) -> web.Application:
     for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
         r.add_get(path, _from_a_node(path))
     r.add_get("/metrics", metrics)
+    dashboard.add_routes(app, STATE)  # GET /dashboard (the live page) and /dashboard/data
     return app

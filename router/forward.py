@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, stream_tokens
 from router.parse import RequestInfo, RouterError, bootstrap_fields
 from router.policies import Policy
 from router.rooms import Rooms
@@ -187,7 +187,7 @@ class Forwarder:
             except TimeoutError:
                 msg = f"no complete answer within the router's request timeout ({self._cfg.request_timeout_s:g} s)"
                 return Failure(msg, False, response=error_response(504, msg), kind="timeout")
-            resp = await self._pipe(request, endpoint, d, d_resp, t0, deadline)
+            resp = await self._pipe(request, endpoint, p, d, d_resp, t0, deadline, info.sequences)
             # The prefill answers about when the first token exists; wait for it (bounded by its
             # deadline) so its in-flight count and the rooms are released only once it is done.
             await asyncio.gather(prefill, return_exceptions=True)
@@ -233,14 +233,16 @@ class Forwarder:
         assert isinstance(judged, Failure)
         return judged
 
-    async def _pipe(self, request: web.Request, endpoint: str, d: Worker, d_resp: aiohttp.ClientResponse,
-                    t0: float, deadline: float) -> web.StreamResponse:
+    async def _pipe(self, request: web.Request, endpoint: str, p: Worker, d: Worker, d_resp: aiohttp.ClientResponse,
+                    t0: float, deadline: float, sequences: int) -> web.StreamResponse:
         """Pass the decode's SSE stream on, frame by frame, as it arrives. Committed: a failure
         from here on reaches the client as an SSE error event, then [DONE]."""
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         buf = bytearray()
         first, finished = True, False
+        t_first = t_last = 0.0
+        frames_sent, tail = 0, b""  # SSE frames ([DONE] included) and the last ones with data: for TPOT
         error: tuple[int, str, str] | None = None  # status, message, metric reason
         try:
             async with asyncio.timeout_at(deadline):
@@ -252,9 +254,13 @@ class Forwarder:
                     frames = bytes(buf[:end + 2])
                     del buf[:end + 2]
                     await _write_to_client(resp, frames)
+                    t_last = time.monotonic()
+                    frames_sent += frames.count(b"\n\n")
+                    tail = frames if frames != DONE else tail
                     if first:
-                        self._metrics.ttft.labels(endpoint).observe(time.monotonic() - t0)
-                        first = False
+                        self._metrics.ttft.labels(endpoint).observe(t_last - t0)
+                        self._metrics.recent.first_token((p.url, d.url), t_last - t0)
+                        t_first, first = t_last, False
                     finished = frames.endswith(DONE)
             if not finished:
                 raise ConnectionError("the stream closed before [DONE]")
@@ -271,6 +277,8 @@ class Forwarder:
         status, msg, reason = error or (200, "", "")
         if error is not None:
             self._metrics.errors.labels(endpoint, reason).inc()
+        else:
+            self._metrics.recent.stream_ended(d.url, t_first, t_last, stream_tokens(tail, frames_sent - 1, sequences))
         with contextlib.suppress(ClientGone, ConnectionError):
             if error is not None and reason != "client_gone":
                 await _write_to_client(resp, b"data: " + json.dumps(error_body(status, msg)).encode() + b"\n\n" + DONE)

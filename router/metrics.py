@@ -6,9 +6,15 @@
     pdc_router_ttft_seconds{endpoint}                 arrival -> first byte to the client
     pdc_router_request_seconds{endpoint}              arrival -> last byte to the client
     pdc_router_worker_{healthy,inflight,load,routed}{worker,role}   read from the worker set at scrape
+
+``RecentLatency`` keeps the last minute of streamed requests' TTFT and TPOT per worker for the
+live page (router/dashboard.py); Prometheus users get the same from the histograms.
 """
 from __future__ import annotations
 
+import json
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,6 +47,73 @@ class _WorkerCollector(Collector):
         yield from (healthy, inflight, load, routed)
 
 
+class RecentLatency:
+    """Per worker, the TTFT (taken at a stream's first frame) and TPOT (at its end) of streamed
+    requests in the last ``window_s`` (at most ``max_samples`` each): count, p50 and p90.
+
+    Streams only: a JSON answer's first byte is its last, so it has no TTFT of its own. TPOT is
+    what a client sees, as ``pdcluster bench`` computes it: ``(last frame - first frame) / (tokens - 1)``
+    per sequence, the token count from the stream's last frame (``stream_tokens``).
+    """
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 1024) -> None:
+        self.window_s = window_s
+        self._max = max_samples
+        self._samples: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (url, kind) -> (when, s)
+
+    def observe(self, url: str, kind: str, seconds: float, now: float | None = None) -> None:
+        q = self._samples.setdefault((url, kind), deque(maxlen=self._max))
+        q.append((time.monotonic() if now is None else now, seconds))
+
+    def first_token(self, urls: tuple[str, ...], ttft_s: float) -> None:
+        """A stream's first frame reached the client: its TTFT counts for each worker that served it."""
+        for url in urls:
+            self.observe(url, "ttft", ttft_s)
+
+    def stream_ended(self, url: str, first: float, last: float, tokens: float) -> None:
+        """A stream ended on decode worker ``url``; ``first``/``last``: monotonic times of its first
+        and last frame; ``tokens``: per sequence (``stream_tokens``)."""
+        if tokens >= 2 and last > first:
+            self.observe(url, "tpot", (last - first) / (tokens - 1), last)
+
+    def summary(self, url: str, kind: str, now: float | None = None) -> dict[str, float | int | None]:
+        now = time.monotonic() if now is None else now
+        q = self._samples.get((url, kind))
+        while q and q[0][0] < now - self.window_s:
+            q.popleft()
+        if not q:
+            self._samples.pop((url, kind), None)  # forgotten workers do not linger
+            return {"n": 0, "p50": None, "p90": None}
+        values = sorted(v for _, v in q)
+        return {"n": len(values), "p50": _quantile(values, 0.5), "p90": _quantile(values, 0.9)}
+
+
+def stream_tokens(last_frames: bytes, frames: int, sequences: int) -> float:
+    """Tokens per sequence of a finished stream: what its last data frame states (/generate:
+    ``meta_info.completion_tokens`` of that sequence; OpenAI with ``include_usage``: the usage over
+    all sequences), else one token per frame, which is what our nodes send when they keep up."""
+    data = [f for f in last_frames.split(b"\n\n") if f.startswith(b"data: ") and f != b"data: [DONE]"]
+    try:
+        obj = json.loads(data[-1][6:]) if data else None
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        meta, usage = obj.get("meta_info"), obj.get("usage")
+        if isinstance(meta, dict) and isinstance(meta.get("completion_tokens"), int):
+            return float(meta["completion_tokens"])
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            return usage["completion_tokens"] / max(sequences, 1)
+    return frames / max(sequences, 1)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), on a sorted list."""
+    pos = (len(sorted_values) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
 class RouterMetrics:
     def __init__(self, workers: Callable[[], list[Worker]]) -> None:
         self.registry = CollectorRegistry()
@@ -55,6 +128,7 @@ class RouterMetrics:
         self.latency = Histogram("pdc_router_request_seconds", "arrival to last byte sent", ["endpoint"],
                                  buckets=_BUCKETS, registry=r)
         r.register(_WorkerCollector(workers))
+        self.recent = RecentLatency()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
