@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv lock test test-unit test-integration test-e2e run clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run clean
 
 setup: $(VENV)/.installed
 
@@ -44,7 +44,12 @@ $(ROUTER_VENV)/.installed: requirements/sglang-router.lock | $(VENV)/.installed
 	  || { rm -rf $(ROUTER_VENV); echo "router-venv: installing requirements/sglang-router.lock failed;" \
 	       "tests/e2e/test_sglang_router.py will skip" >&2; }
 
-test: setup router-venv
+# Debian's chromium, for the test that loads the router's live page (tests/e2e/test_dashboard.py).
+# Best effort, like router-venv: without it (no apt, no network) that test skips, saying why.
+test-deps:
+	@scripts/install_test_deps.sh || echo "test-deps: installing chromium failed; tests/e2e/test_dashboard.py will skip" >&2
+
+test: setup router-venv test-deps
 	$(BIN)/python -m pytest -q tests
 
 test-unit: setup
@@ -53,7 +58,7 @@ test-unit: setup
 test-integration: setup
 	$(BIN)/python -m pytest -q tests/integration
 
-test-e2e: setup router-venv
+test-e2e: setup router-venv test-deps
 	$(BIN)/python -m pytest -q tests/e2e
 
 run: setup
