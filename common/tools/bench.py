@@ -75,6 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--compare", choices=PEERS,
                    help="--launch: then run the same workload, client and load against this peer engine serving "
                         "the same checkpoint (scripts/peers/), and print both rows in one table")
+    t.add_argument("--paired-direct", action="store_true",
+                   help="--launch: send every request twice, one at a time, through the router and straight to the "
+                        "pair, in random order; report the router's added latency per pair (common/tools/bench_paired.py)")
     t.add_argument("--model-path", help="HF checkpoint directory (--launch; with --make-tiny-model: where to build)")
     t.add_argument("--make-tiny-model", action="store_true", help="build a tiny random model first (implies --launch)")
     t.add_argument("--tiny-arch", default="qwen3", choices=("qwen3", "llama", "qwen2"))
@@ -124,8 +127,11 @@ def check_args(a: argparse.Namespace) -> str | None:
             return "--router none sends /generate to the pair itself: drop --endpoint"
         if a.compare and a.router == "none":
             return "--compare runs both engines behind one URL: drop --router none"
-    elif a.compare:
-        return "--compare launches both engines: add --launch (or --make-tiny-model)"
+        if a.paired_direct and (a.router == "none" or a.compare or a.endpoint != "generate"
+                                or (a.num_prefill, a.num_decode) != (1, 1)):
+            return "--paired-direct compares a router with the bare pair: --router ours|sglang, one pair, /generate"
+    elif a.compare or a.paired_direct:
+        return "--compare and --paired-direct launch their cluster: add --launch (or --make-tiny-model)"
     elif a.url:
         if pair:
             return "give --url (a router) or --prefill/--decode/--bootstrap-port (a pair), not both"
@@ -332,7 +338,16 @@ def main(argv: list[str] | None = None) -> int:
             from common.tools.bench_peers import compare as side_by_side  # only when asked for
 
             return side_by_side(a, model)
-        rc, doc = run_launched(a, model)
+        if a.paired_direct:
+            from common.tools.bench_paired import paired
+
+            vocab = vocab_size(a, {"model_path": model})
+            if vocab is None:
+                print("pdcluster bench: cannot read the model's vocab size; pass --vocab-size", file=sys.stderr)
+                return 2
+            rc, doc = paired(a, model, vocab)
+        else:
+            rc, doc = run_launched(a, model)
     write_json(a.json_path, doc)
     return rc
 

@@ -140,11 +140,26 @@ def test_cli_launch_mooncake_poisson(tmp_path: Path, tiny_dir: str) -> None:
     assert doc["summary"]["goodput"]["good_requests"] == NUM  # SLOs nobody can miss
 
 
+def test_cli_paired_direct_measures_the_router_per_pair(tmp_path: Path, tiny_dir: str) -> None:
+    rc, doc, stdout = run_cli(tmp_path, tiny_dir, "fake", ["--router", "ours", "--paired-direct"])
+    assert rc == 0, stdout[-3000:]
+    s = doc["paired"]
+    assert (s["pairs"], s["failed"]) == (NUM, 0)
+    for side in ("through_router", "direct"):  # both legs of every pair answered, with a stream
+        assert s[side]["e2e_ms"]["p50"] >= s[side]["ttft_ms"]["p50"] > 0
+    added = s["added_ms"]["e2e"]
+    assert added["p10"] <= added["p50"] <= added["p90"]
+    assert s["router_cpu_s_per_1000"] > 0  # the router did the work of the routed half
+    assert "added E2E per pair:" in stdout
+
+
 def test_cli_bad_arguments() -> None:
     for args in (["--launch"], ["--prefill", "http://x"], ["--launch", "--make-tiny-model", "--prefill", "http://x"],
                  ["--make-tiny-model", "--request-rate", "0"], ["--url", "http://x", "--decode", "http://y"],
                  ["--make-tiny-model", "--url", "http://x"], ["--make-tiny-model", "--num-decode", "0"],
-                 ["--make-tiny-model", "--router", "none", "--num-prefill", "2"]):
+                 ["--make-tiny-model", "--router", "none", "--num-prefill", "2"],
+                 ["--make-tiny-model", "--paired-direct", "--router", "none"], ["--url", "http://x", "--paired-direct"],
+                 ["--make-tiny-model", "--paired-direct", "--endpoint", "completions"]):
         proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
                               text=True, timeout=30)
         assert proc.returncode == 2 and "pdcluster bench:" in proc.stderr, (args, proc.stderr)
