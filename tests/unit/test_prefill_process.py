@@ -14,7 +14,7 @@ from common.protocol import GenerateReq, IpcEndpoints
 from common.request import SamplingParams
 from prefill_node.launch import build_parser, config_from_args
 from prefill_node.process import PrefillOptions, PrefillProcess
-from tests.unit.test_transfer_fake_flow import MemoryBootstrap
+from tests.unit.transfer_harness import MemoryBootstrap
 from transfer.backends.fake import FakeDataPlane
 
 BOOT = "127.0.0.1:1"

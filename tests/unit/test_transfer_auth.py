@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import zmq
 
-from tests.unit.test_transfer_fake_flow import (  # noqa: F401  (cluster is a fixture)
+from tests.unit.transfer_harness import (  # noqa: F401  (cluster is a fixture)
     ADDR,
     CFG,
     Cluster,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from tests.unit.test_transfer_fake_flow import (  # noqa: F401  (cluster is a fixture)
+from tests.unit.transfer_harness import (  # noqa: F401  (cluster is a fixture)
     ADDR,
     CFG,
     Cluster,
