@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -187,7 +188,18 @@ class IpcEndpoints:
 
     @classmethod
     def fresh(cls, directory: str | None = None) -> IpcEndpoints:
-        """Unique addresses under ``directory`` (default: the temp dir). ipc paths are limited
-        to ~100 bytes by the OS, so keep the directory short."""
-        base = os.path.join(directory or tempfile.gettempdir(), f"pdc-{uuid.uuid4().hex[:12]}")
+        """Unique addresses. On Linux, without ``directory``, they live in the abstract socket
+        namespace (``ipc://@name``): no file is ever created, so a node killed with SIGKILL leaves
+        nothing behind in the temp dir. Elsewhere, or with ``directory``, they are socket files
+        there (paths are limited to ~100 bytes by the OS, so keep the directory short)."""
+        name = f"pdc-{uuid.uuid4().hex[:12]}"
+        if directory is None and sys.platform.startswith("linux"):
+            base = "@" + name
+        else:
+            base = os.path.join(directory or tempfile.gettempdir(), name)
         return cls(to_scheduler=f"ipc://{base}-in", from_scheduler=f"ipc://{base}-out")
+
+    def socket_files(self) -> list[str]:
+        """The filesystem paths behind these addresses (none for abstract ones)."""
+        paths = (a.removeprefix("ipc://") for a in (self.to_scheduler, self.from_scheduler))
+        return [p for p in paths if not p.startswith("@")]

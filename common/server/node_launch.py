@@ -169,9 +169,9 @@ class SchedulerChild:
                 self.proc.kill()
                 self.proc.join(5.0)
         self._recv.close()
-        for addr in (self.endpoints.to_scheduler, self.endpoints.from_scheduler):
+        for path in self.endpoints.socket_files():
             with contextlib.suppress(OSError):
-                os.unlink(addr.removeprefix("ipc://"))
+                os.unlink(path)
 
 
 # -- the scheduler process's entry skeleton ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -220,8 +221,12 @@ def running_cluster(model_dir: str, backend: str = "mooncake", decode_args: list
     try:
         wait_healthy([p, d])
         yield cluster
-    finally:
+    except BaseException:
         cluster.stop()
+        print(f"node logs kept in {logdir}")
+        raise
+    cluster.stop()
+    shutil.rmtree(logdir, ignore_errors=True)  # the logs are only worth keeping when something failed
 
 
 def check_greedy(model_dir: str, prompt: list[int], got: list[int], n: int, what: str) -> None:

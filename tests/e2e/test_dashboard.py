@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from common.tools.local_cluster import LocalCluster
-from tests.e2e.cluster import memory, wait_idle
+from tests.e2e.cluster import wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -113,9 +113,9 @@ class Page(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_factory: Callable[..., str]) -> Iterator[LocalCluster]:
+def cluster(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     chromium()  # skip before starting anything
-    c = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-dashboard-e2e-"))
+    c = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-dashboard-e2e")))
     try:
         assert c.start(tiny_model_factory("qwen3"), backend="mooncake", num_prefill=1, num_decode=1, router="ours",
                        router_args=ROUTER_ARGS, startup_timeout_s=180) is not None

@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,9 +88,9 @@ class Routed:
 
 
 @pytest.fixture(scope="module")
-def routed(tiny_model_factory: Callable[..., str]) -> Iterator[Routed]:
+def routed(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
     model_dir = tiny_model_factory("qwen3")
-    cluster = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-router-e2e-"), env=NODE_ENV)
+    cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-router-e2e")), env=NODE_ENV)
     try:
         url = cluster.start(model_dir, backend="mooncake", num_prefill=2, num_decode=2, router="ours",
                             router_args=ROUTER_ARGS, startup_timeout_s=180)

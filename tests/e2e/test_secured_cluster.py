@@ -14,7 +14,6 @@ The test ends with both nodes back at idle memory (the leak check).
 """
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -54,9 +53,9 @@ class Secured:
 
 
 @pytest.fixture(scope="module")
-def secured(tiny_model_factory: Callable[..., str]) -> Iterator[Secured]:
+def secured(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     model_dir = tiny_model_factory("qwen3")
-    cluster = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-auth-e2e-"), cluster_secret=SECRET, api_key=KEY)
+    cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-auth-e2e")), cluster_secret=SECRET, api_key=KEY)
     try:
         url = cluster.start(model_dir, backend="mooncake", num_prefill=1, num_decode=1, router="ours",
                             router_args=["--health-check-interval-s", "0.5"], startup_timeout_s=180)

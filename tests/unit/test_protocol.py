@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import tempfile
 
 import msgspec
 import pytest
+import zmq
 
 from common.protocol import (
     AbortReq,
@@ -83,3 +87,23 @@ def test_fresh_endpoints_are_distinct_ipc_addresses(tmp_path: object) -> None:
     a, b = IpcEndpoints.fresh(str(tmp_path)), IpcEndpoints.fresh(str(tmp_path))
     addrs = {a.to_scheduler, a.from_scheduler, b.to_scheduler, b.from_scheduler}
     assert len(addrs) == 4 and all(x.startswith(f"ipc://{tmp_path}/") for x in addrs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the abstract socket namespace is Linux-only")
+def test_default_endpoints_leave_no_socket_files_behind() -> None:
+    """Nodes use the default endpoints; a node killed with SIGKILL cannot unlink socket files,
+    so on Linux the defaults must not create any (abstract namespace)."""
+    ep = IpcEndpoints.fresh()
+    assert ep.socket_files() == []
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(ep.to_scheduler)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(ep.to_scheduler)
+        push.send(encode(FlushCacheReq(query_id="q")))
+        assert isinstance(decode_to_scheduler(pull.recv()), FlushCacheReq)
+        name = ep.to_scheduler.removeprefix("ipc://@")
+        assert not [f for f in os.listdir(tempfile.gettempdir()) if name in f]
+    finally:
+        ctx.destroy(linger=0)
