@@ -36,6 +36,14 @@ class Descriptors:
 EMPTY = Descriptors([], [], [])
 
 
+def concat(parts: Sequence[Descriptors]) -> Descriptors:
+    """One list of descriptors from several (one engine call for all of them)."""
+    if len(parts) == 1:
+        return parts[0]
+    return Descriptors([x for p in parts for x in p.src], [x for p in parts for x in p.dst],
+                       [x for p in parts for x in p.lens])
+
+
 def index_list(indices: Sequence[int] | np.ndarray) -> list[int]:
     """Page/slot ids as plain ints, from a list, a numpy array or a CPU tensor."""
     return np.asarray(indices, dtype=np.int64).reshape(-1).tolist()

@@ -41,7 +41,7 @@ from transfer.errors import TransferError
 from transfer.handles import PrefillKVSender
 from transfer.poll import KVPoll
 from transfer.prefill_control import PrefillControl, PrefillRoom
-from transfer.worker import Chunk, Target, TransferWorker
+from transfer.worker import GROUP_MAX, Chunk, Target, TransferWorker
 from transfer.bootstrap import with_cluster_secret
 from transfer.control_auth import control_auth
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
@@ -75,8 +75,9 @@ class PrefillKVManager(PrefillControl):
         self._push = PushSockets(self._ctx, auth)
         self._pull, port = bind_pull(self._ctx, args.host)
         self.endpoint = f"tcp://{args.host}:{port}"
-        # One staging aux row per worker: a worker copies the room's record there, then writes it.
-        self._staging = AuxPool(config.num_workers, top_k=args.aux_top_k)
+        # GROUP_MAX staging aux rows per worker: a worker copies each last chunk's record to its
+        # own row of the group being written, then writes it with the chunk's pages.
+        self._staging = AuxPool(config.num_workers * GROUP_MAX, top_k=args.aux_top_k)
         self._threads: list[threading.Thread] = []
         try:
             staging = self._staging.buffers()
