@@ -1,12 +1,5 @@
-"""Plain-data descriptions of the memory a manager moves, and the layout check between peers.
-
-A manager never sees tensors, only base pointers and sizes::
-
-    BufferSet.ptrs[i]         base address of buffer i
-    BufferSet.nbytes[i]       its total size
-    BufferSet.item_nbytes[i]  size of one addressable item (a KV page, an aux row, a state slot)
-
-    address of item j in buffer i = ptrs[i] + j * item_nbytes[i]
+"""``KVArgs``: everything a manager registers and tells its peers, as ``BufferSet``s
+(``transfer.buffers``: base pointers and item sizes, never tensors).
 
 KV buffers come in transfer order (K of layer 0..L-1, then V of layer 0..L-1; see
 ``common.kvcache.pool.KVPool.buffers``); item j of every KV buffer is page j.
@@ -16,26 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kvcache.pool import KVLayout, KVPool
+from transfer.aux import aux_row_dtype
+from transfer.buffers import BufferSet
 
-
-@dataclass(frozen=True)
-class BufferSet:
-    ptrs: tuple[int, ...] = ()
-    nbytes: tuple[int, ...] = ()
-    item_nbytes: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not len(self.ptrs) == len(self.nbytes) == len(self.item_nbytes):
-            raise ValueError("BufferSet: ptrs, nbytes and item_nbytes must have one entry per buffer")
-        if any(n <= 0 for n in self.item_nbytes) or any(b % i for b, i in zip(self.nbytes, self.item_nbytes)):
-            raise ValueError("BufferSet: every buffer must hold a whole number of non-empty items")
-
-    def __len__(self) -> int:
-        return len(self.ptrs)
-
-    def num_items(self) -> int:
-        """Items every buffer can address (the smallest buffer bounds them all)."""
-        return min((b // i for b, i in zip(self.nbytes, self.item_nbytes)), default=0)
+__all__ = ["BufferSet", "KVArgs"]  # BufferSet is re-exported: callers import both from here
 
 
 @dataclass(frozen=True)
@@ -54,8 +31,6 @@ class KVArgs:
     host: str = "127.0.0.1"  # address peers reach this rank's control and data planes on
 
     def __post_init__(self) -> None:
-        from transfer.aux import aux_row_dtype
-
         if len(self.aux) and set(self.aux.item_nbytes) != {aux_row_dtype(self.aux_top_k).itemsize}:
             raise ValueError(f"aux rows of {self.aux.item_nbytes} bytes do not match aux_top_k={self.aux_top_k}")
         if len(self.kv) != 2 * self.layout.num_layers:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from transfer.args import BufferSet
+from transfer.buffers import BufferSet
 
 
 @dataclass(frozen=True)
