@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
+import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common import envs
 from transfer import descriptors as d
 from transfer import messages as m
 from transfer.aux import AuxPool, AuxRecord
@@ -55,6 +58,7 @@ class TransferWorker:
         self.thread = threading.Thread(target=self._run, name=f"pdc-transfer-worker-{index}", daemon=True)
         #: Descriptors this worker handed to the engine (observability and tests).
         self.descriptors_written = 0
+        self._stop_room = envs.FAULT_STOP_BEFORE_WRITE_ROOM.get()  # fault injection; -1: off
 
     def put(self, chunk: Chunk) -> None:
         self._queue.put(chunk)
@@ -84,6 +88,10 @@ class TransferWorker:
                 for batch in d.split(desc, self._max):
                     if self._mgr.room_failed(chunk.room):
                         return  # end_chunk in finally; the room's failure is already recorded
+                    if chunk.room == self._stop_room:
+                        self._stop_room = -1  # once: the test resumes us with SIGCONT
+                        log.warning("fault injection: stopping this process before writing room %d", chunk.room)
+                        os.kill(os.getpid(), signal.SIGSTOP)
                     if not self._engine.write(t.info.session_id, batch):
                         dead = t.info.session_id
                         error = f"decode {dead} unreachable: write of {len(batch)} descriptors failed"
