@@ -56,7 +56,7 @@ class FencedRooms:
         entry = self._rooms.pop(room, None)
         if entry is None:
             return False
-        log.info("room %d: fence lifted after %.1f s: %s", room, time.monotonic() - entry.since, why)
+        log.warning("room %d: fence lifted after %.1f s: %s", room, time.monotonic() - entry.since, why)
         return True
 
     def endpoints(self) -> dict[str, tuple[str, int, str | None]]:
