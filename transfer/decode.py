@@ -6,7 +6,8 @@ Threads (all daemons, joined by ``close()``)::
                       KVArgsRegister once per prefill rank
     status thread     PULL <- prefill: TransferStatus | Pong
     heartbeat thread  Ping every prefill rank each interval; declare dead after N misses;
-                      room timers (bootstrap, waiting, fence deadlines)
+                      probe peers the holding set waits on; room timers (bootstrap,
+                      waiting, fence deadlines); in transfer.decode_liveness
 
 Room lifecycle on this side::
 
