@@ -88,6 +88,7 @@ class DecodeKVManager(DecodeLiveness):
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._fenced = FencedRooms()
+        self._probed: set[str] = set()  # endpoints the last fence probe pinged (heartbeat thread)
         self._peers: dict[str, Peer] = {}  # prefill control endpoint -> peer
         self._routes: dict[tuple[str, int], str] = {}  # (bootstrap addr, dp group) -> endpoint
         self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size

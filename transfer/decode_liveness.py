@@ -41,6 +41,7 @@ class DecodeLiveness:
     _dp_sizes: dict[str, int]
     _rooms: dict[int, _Room]
     _fenced: FencedRooms
+    _probed: set[str]
     _state_changed: Callable[[], None]
 
     def _timers(self, now: float) -> None:
@@ -141,6 +142,11 @@ class DecodeLiveness:
         """Each heartbeat: ping every endpoint we hold rooms for; a refused port releases them."""
         with self._lock:
             targets = self._fenced.endpoints()
+            # A socket opened only to probe a peer whose rooms are all released goes too.
+            done = [e for e in self._probed if e not in targets and e not in self._peers]
+        for endpoint in done:
+            self._push.purge(endpoint)
+        self._probed = set(targets)
         for endpoint, (host, port, _) in targets.items():
             if port_closed(host, port):
                 with self._lock:

@@ -92,6 +92,7 @@ def test_refused_control_port_releases_the_room(cluster: Cluster) -> None:
     wait_for(lambda: not recv.fenced(), timeout=3)
     time.sleep(3 * HOLD_CFG.heartbeat_interval_s)  # further probes find nothing to release
     assert released == [1] and dm.num_fenced() == 0
+    assert pm.endpoint not in dm._push._socks  # the socket opened only to probe it is gone
 
 
 def test_a_new_instance_on_the_endpoint_releases_the_room_the_same_one_does_not(cluster: Cluster) -> None:
