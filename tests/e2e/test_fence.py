@@ -3,9 +3,10 @@
 A prefill is stopped (SIGSTOP, by the fault-injection hook ``PDC_FAULT_STOP_BEFORE_WRITE_ROOM``)
 right before its engine write for room A. The decode declares it dead after the heartbeat bound,
 fails A to its client after the quarantine, and then serves concurrent requests through a second
-prefill. Their pages are the ones A had (the allocator hands out the head of the lowest free
-run, and the pool was idle) unless A's pages are fenced. The stopped prefill is then resumed: its
-write for A lands at once. Every concurrent request must still equal HF greedy token for token,
+prefill. Their pages are the ones A had (the allocator hands out the head of the one free run of
+an idle pool: A's 6 pages cover all three 2-page prompts) unless A's pages are fenced. Once every
+concurrent request decodes, the stopped prefill is resumed: its write for A lands at once, into
+each of their prompts (two of them at other positions than A's). Every concurrent request must still equal HF greedy token for token,
 and every node ends back at idle (A's pages released once the resumed prefill answered).
 """
 from __future__ import annotations
@@ -27,8 +28,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # Heartbeat bound 0.5 s x (3 + 1) = 2 s, then 1 s of quarantine: A fails ~3 s after the pause.
 ENV = {"PDC_BOOTSTRAP_TIMEOUT_S": "30", "PDC_WAITING_TIMEOUT_S": "60", "PDC_HEARTBEAT_INTERVAL_S": "0.5",
        "PDC_HEARTBEAT_MAX_FAILURES": "3", "PDC_HUNG_PEER_QUARANTINE_S": "1"}
-PROMPT_A = [(11 * k + 3) % 500 + 10 for k in range(48)]  # 3 pages of 16
-PROMPTS_B = [[(7 * k + 5 * i + 1) % 500 + 10 for k in range(48)] for i in range(3)]
+PROMPT_A = [(11 * k + 3) % 500 + 10 for k in range(96)]  # 6 pages of 16
+PROMPTS_B = [[(7 * k + 5 * i + 1) % 500 + 10 for k in range(32)] for i in range(3)]  # 2 pages each
 N_B = 160  # long enough that every B is still decoding when the stale write lands
 
 
@@ -67,7 +68,7 @@ def test_a_resumed_prefill_cannot_write_into_pages_given_to_other_requests(clust
 
             def on_event(seen: set[int], i: int) -> object:
                 def cb(ev: dict) -> bool:
-                    if len(ev.get("output_ids", [])) >= 2 and i not in seen:
+                    if ev.get("output_ids") and i not in seen:
                         seen.add(i)
                         with lock:
                             started[0] += 1
@@ -86,8 +87,8 @@ def test_a_resumed_prefill_cannot_write_into_pages_given_to_other_requests(clust
                 final = [e for e in events if "output_ids" in e][-1]
                 check_greedy(cluster.model_dir, PROMPTS_B[i], final["output_ids"], N_B, f"request B{i} beside the stale write")
             prefill_a.result(timeout=120)  # the resumed prefill finishes A (its answer is moot)
-        assert held.get("fenced_reqs") == 1 and held.get("fenced_pages") == 3, held
-        assert held["free_pages"] == held["total_pages"] - 3, held
+        assert held.get("fenced_reqs") == 1 and held.get("fenced_pages") == 6, held
+        assert held["free_pages"] == held["total_pages"] - 6, held
     finally:
         resume()
     cluster.wait_idle()  # A's pages came back once the resumed prefill answered for its room
