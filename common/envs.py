@@ -46,6 +46,9 @@ CPU_THREADS = EnvVar("PDC_CPU_THREADS", 0, "torch threads of a node's scheduler 
 CPU_BIND = EnvVar("PDC_CPU_BIND", "", "cores to pin a node's scheduler process to, e.g. 0-3 (empty: no pinning); --cpu-bind wins")
 MOONCAKE_DEVICE = EnvVar("PDC_MOONCAKE_DEVICE", "", "RDMA device names for mooncake (empty: auto)")
 CLUSTER_SECRET = EnvVar("PDC_CLUSTER_SECRET", "", "shared secret of nodes, registry and router (empty: off); --cluster-secret[-file] wins")
+FAULT_STOP_BEFORE_WRITE_ROOM = EnvVar(
+    "PDC_FAULT_STOP_BEFORE_WRITE_ROOM", -1,
+    "FAULT INJECTION, tests only (-1: off): a prefill transfer worker SIGSTOPs its own process right before its first engine write for this room")
 API_KEY = EnvVar("PDC_API_KEY", "", "the router's client API key (empty: off); --api-key[-file] wins")
 
 

@@ -6,7 +6,10 @@ collected in an outbox the step returns. A request leaves by ``_finish`` (done),
 (error; only once its receiver is terminal or was never created), ``_refuse`` (a 400 on arrival,
 also told to its prefill) or ``abort``: a room whose TransferInfo may be out is answered at once
 but keeps its pages in ``draining`` until its receiver reports a terminal state (the transfer
-layer's fence), then they are freed once.
+layer's fence), then they are freed once. A room that failed while its prefill may still write
+(``receiver.fenced()``: the peer stopped answering past its bound) is answered the same way and
+stays in ``draining`` until the fence is lifted, however long that takes: its pages are neither
+free nor leaked (``fenced_reqs`` in /debug/memory).
 """
 from __future__ import annotations
 
@@ -89,13 +92,19 @@ class DecodeQueues:
         self._emit(r)
 
     def _fail(self, r: DecodeReq, status: int, message: str) -> None:
-        """Finish with an error; only for rooms whose receiver is terminal (or never created)."""
+        """Finish with an error; only for rooms whose receiver is terminal (or never created).
+        A fenced receiver's memory goes to ``draining`` instead of back to the pools."""
         log.warning("%s", message)
         self._remove(r)
-        self._free(r)
+        if r.receiver is not None and r.receiver.fenced():
+            r.stage, r.drain_since = Stage.DRAINING, time.monotonic()
+            self.draining.append(r)
+        else:
+            self._free(r)
         if self.reqs.get(r.rid) is r:  # a rejected duplicate must not drop the live request
             del self.reqs[r.rid]
-        r.stage = Stage.DONE
+        if r.stage is not Stage.DRAINING:
+            r.stage = Stage.DONE
         self.counters["failed"] += 1
         r.finish, r.error, r.http_status = FinishReason(type="abort", message=message), message, status
         self._emit(r)
@@ -116,12 +125,13 @@ class DecodeQueues:
         now = time.monotonic()
         for r in list(self.draining):
             assert r.receiver is not None
-            if r.receiver.poll().terminal:
+            if r.receiver.poll().terminal and not r.receiver.fenced():
                 self.draining.remove(r)
                 self._free(r)
                 r.stage = Stage.DONE
             elif now - r.drain_since > self.drain_warn_s:
-                log.warning("%s: aborted %.0f s ago, its transfer has not ended yet", r.label(), now - r.drain_since)
+                what = "its prefill may still write (pages fenced)" if r.receiver.fenced() else "its transfer has not ended yet"
+                log.warning("%s: answered %.0f s ago, %s", r.label(), now - r.drain_since, what)
                 r.drain_since = now
 
     def _free(self, r: DecodeReq) -> None:

@@ -20,7 +20,9 @@
 
 Aborts (client gone, /abort_request) are answered at once. A room whose TransferInfo is out may
 still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
-terminal state (the transfer layer's fence, bounded by its timeouts), then are freed once.
+terminal state (the transfer layer's fence, bounded by its timeouts), then are freed once; a room
+that failed while its prefill may still write (``receiver.fenced()``) waits there until the fence
+is lifted (for a peer that never comes back: for good, visible as ``fenced_reqs``).
 The queues and these endings live in ``decode_node.queues``.
 
 Retraction resumes by **recompute**, not host offload: the model is here anyway, no host pool
@@ -256,10 +258,11 @@ class DecodeScheduler(DecodeQueues):
             fits = self.budget.step_pages(self.running[0].holder()) <= self.memory.available_pages()
         if fits:
             return True
-        if self.transfer or any(r.kv is not None for r in self.draining):
+        if self.transfer or any(r.kv is not None and not (r.receiver and r.receiver.fenced()) for r in self.draining):
             # Rooms in transfer hold pages that can be retracted once they land, and aborted rooms
             # still draining hold pages that come back once the prefill answers: wait for them
-            # rather than fail the request with a false "out of KV memory".
+            # rather than fail the request with a false "out of KV memory". Fenced rooms may never
+            # come back (a peer that never returns): not worth waiting for.
             return False
         # One request alone outgrows the whole pool (its worst case was capped at admission).
         [r] = self.running

@@ -38,6 +38,7 @@ class DecodeStats:
             "aux_free_slots": s.aux.num_free(),
             "num_prealloc": len(s.prealloc), "num_transfer": len(s.transfer), "num_waiting": len(s.waiting),
             "num_running": len(s.running), "num_retracted": len(s.retracted), "num_draining": len(s.draining),
+            **self._fenced(),
             "new_token_ratio": round(s.ratio.value, 4),
         })
         if self._transfer_rooms is not None:
@@ -59,11 +60,18 @@ class DecodeStats:
             "num_transfer_reqs": len(s.transfer),
             "num_prealloc_reqs": len(s.prealloc),
             "num_retracted_reqs": len(s.retracted),
+            "fenced_reqs": self._fenced()["fenced_reqs"],
             "token_usage": (alloc.num_total - alloc.num_free) / max(alloc.num_total, 1),
             "gen_throughput": self.throughput.rate(),
             "new_token_ratio": s.ratio.value,
             **{f"{k}_total": float(v) for k, v in s.counters.items()},
         }
+
+    def _fenced(self) -> dict[str, int]:
+        """Failed rooms whose memory stays held while their prefill may still write (never free,
+        never a leak; see transfer.fenced)."""
+        held = [r for r in self.sched.draining if r.receiver is not None and r.receiver.fenced()]
+        return {"fenced_reqs": len(held), "fenced_pages": sum(len(r.kv.pages) for r in held if r.kv is not None)}
 
     def flush_cache(self) -> tuple[bool, str]:
         """The decode node caches no prefixes; flushing only checks it is idle (as SGLang does)."""

@@ -62,9 +62,11 @@ class KVReceiver(ABC):
 
     Contract: ``poll()`` starts at Bootstrapping (finding the prefill rank, registering our
     buffers), reaches WaitingForInput when ``init`` may be called, Transferring once the prefill
-    knows our pages, Success when KV and aux landed. Failed is reported only when no write for
-    the room can still land (the prefill said so after its in-flight writes, or it is gone), so
-    the caller may free the pages and aux slot as soon as it sees a terminal state.
+    knows our pages, Success when KV and aux landed. Failed is reported when no write for the
+    room can still land (the prefill said so after its in-flight writes, or it is gone), or when
+    the prefill stopped answering past its bound: then ``fenced()`` is True and the caller must
+    keep the pages, aux slot and state items out of its pools until ``fenced()`` turns False
+    (the peer is proven unable to write; it may never happen for a peer that never returns).
     """
 
     room: int
@@ -82,6 +84,10 @@ class KVReceiver(ABC):
     @property
     @abstractmethod
     def failure_reason(self) -> str | None: ...
+
+    def fenced(self) -> bool:
+        """Failed, but a write may still land: hold its memory (see the class docstring)."""
+        return False
 
 
 class DataPlane(ABC):

@@ -6,7 +6,8 @@ Threads (all daemons, joined by ``close()``)::
                       KVArgsRegister once per prefill rank
     status thread     PULL <- prefill: TransferStatus | Pong
     heartbeat thread  Ping every prefill rank each interval; declare dead after N misses;
-                      room timers (bootstrap, waiting, fence deadlines)
+                      probe peers the holding set waits on; room timers (bootstrap,
+                      waiting, fence deadlines); in transfer.decode_liveness
 
 Room lifecycle on this side::
 
@@ -21,7 +22,9 @@ reports Failed only when no write can land any more: the prefill said Failed (it
 after its in-flight writes returned), or it was declared dead and its control port refuses
 connections (the process is gone). A local abort or the waiting timeout sends AbortRoom and
 waits for that answer. A dead-declared rank whose port still accepts (hung, or host
-unreachable) keeps its rooms' pages quarantined for ``hung_peer_quarantine_s`` first.
+unreachable) keeps its rooms' pages quarantined for ``hung_peer_quarantine_s`` first. A room
+still unanswered at its fence deadline fails to its client but is *fenced* (``transfer.fenced``):
+``fenced()`` stays True, and its pages must stay out of the pools, until a write is impossible.
 """
 from __future__ import annotations
 
@@ -44,8 +47,10 @@ from transfer.config import KVManagerConfig
 from transfer.control_auth import control_auth
 from transfer.descriptors import index_list
 from transfer.errors import TransferError
+from transfer.decode_liveness import DecodeLiveness
+from transfer.fenced import Fenced, FencedRooms
 from transfer.handles import DecodeKVReceiver
-from transfer.peers import Peer, port_closed
+from transfer.peers import Peer
 from transfer.poll import KVPoll, can_advance, no_listener
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
@@ -60,12 +65,13 @@ class _Room:
     status: KVPoll = KVPoll.Bootstrapping
     reason: str | None = None
     endpoint: str | None = None  # the prefill rank, once resolved
+    peer: Peer | None = None
     info_sent_at: float | None = None  # TransferInfo queued: the prefill may write from now on
     pending_fail: str | None = None  # failure decided, waiting for the fence
     fence_deadline: float = field(default=float("inf"))
 
 
-class DecodeKVManager:
+class DecodeKVManager(DecodeLiveness):
     """Owns the status socket, the threads and (once constructed) ``engine``: ``close()`` closes it."""
 
     def __init__(
@@ -81,6 +87,8 @@ class DecodeKVManager:
         self._decode_layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name)
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
+        self._fenced = FencedRooms()
+        self._probed: set[str] = set()  # endpoints the last fence probe pinged (heartbeat thread)
         self._peers: dict[str, Peer] = {}  # prefill control endpoint -> peer
         self._routes: dict[tuple[str, int], str] = {}  # (bootstrap addr, dp group) -> endpoint
         self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
@@ -124,8 +132,8 @@ class DecodeKVManager:
     def create_receiver(self, room: int, bootstrap_addr: str) -> DecodeKVReceiver:
         """``bootstrap_addr``: the prefill node's bootstrap server, "host:port"."""
         with self._lock:
-            if room in self._rooms:
-                raise TransferError("room is already in flight on this decode rank", room)
+            if room in self._rooms or room in self._fenced:
+                raise TransferError("room is already in flight (or fenced) on this decode rank", room)
             self._rooms[room] = _Room(room, bootstrap_addr, time.monotonic())
         self._todo.put(room)
         return DecodeKVReceiver(self, room)
@@ -154,6 +162,10 @@ class DecodeKVManager:
 
     def num_rooms(self) -> int:
         return len(self._rooms)
+
+    def num_fenced(self) -> int:
+        """Rooms failed to their client whose pages stay held until the peer cannot write."""
+        return len(self._fenced)
 
     # --- connect thread ------------------------------------------------------------------------
     def _connect_loop(self) -> None:
@@ -198,7 +210,7 @@ class DecodeKVManager:
                 return self._finalize_locked(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
             if not peer.registered:
                 peer.registered = send_register = True
-            r.endpoint = peer.endpoint
+            r.endpoint, r.peer = peer.endpoint, peer
         if send_register and not self._push.send(peer.endpoint, wire.register_message(self.args, self.engine.session_id, self.instance_id, self.status_endpoint)):
             return self._fail(room, f"could not queue KV args for prefill {peer.endpoint}")
         with self._lock:
@@ -241,6 +253,9 @@ class DecodeKVManager:
 
     def _on_status(self, msg: m.TransferStatus) -> None:
         with self._lock:
+            if self._fenced.release(msg.room, f"prefill rank {msg.prefill_rank} answered for it"):
+                self._state_changed()
+                return
             r = self._rooms.get(msg.room)
             if r is None or r.status.terminal:
                 log.debug("status for unknown or finished room %d dropped", msg.room)
@@ -254,71 +269,6 @@ class DecodeKVManager:
             else:
                 self._finalize_locked(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
 
-    def _on_pong(self, msg: m.Pong) -> None:
-        with self._lock:
-            peer = self._peers.get(msg.endpoint)
-            if peer is None:
-                return
-            if peer.info.instance_id is not None and msg.instance_id != peer.info.instance_id:
-                restarted = peer
-            else:
-                peer.acked_seq = max(peer.acked_seq, msg.seq)
-                return
-        # A new process answers on the old endpoint: the old one released the port, it is gone.
-        self._declare_dead(restarted, "prefill restarted", confirmed_gone=True)
-
-    # --- heartbeat thread ----------------------------------------------------------------------
-    def _heartbeat_loop(self) -> None:
-        next_beat = time.monotonic()
-        while not self._stop.wait(self.config.tick_s):
-            try:
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + self.config.heartbeat_interval_s
-                    self._heartbeat()
-                self._timers(time.monotonic())
-            except Exception:
-                log.exception("heartbeat pass failed")
-
-    def _heartbeat(self) -> None:
-        dead: list[Peer] = []
-        pings: list[tuple[str, int]] = []
-        with self._lock:
-            for peer in self._peers.values():
-                seq = peer.heartbeat_tick()
-                if peer.misses >= self.config.heartbeat_max_failures:
-                    dead.append(peer)
-                else:
-                    pings.append((peer.endpoint, seq))
-        for endpoint, seq in pings:
-            self._push.send(endpoint, m.Ping(seq=seq, session_id=self.engine.session_id, status_endpoint=self.status_endpoint))
-        for peer in dead:
-            self._declare_dead(peer, f"prefill {peer.endpoint} missed {peer.misses} heartbeats", confirmed_gone=None)
-
-    def _declare_dead(self, peer: Peer, reason: str, confirmed_gone: bool | None) -> None:
-        """Forget the peer (cache, routes, socket) and fail its rooms behind the fence."""
-        with self._lock:
-            if self._peers.get(peer.endpoint) is not peer:
-                return
-            del self._peers[peer.endpoint]
-            for key in [k for k, e in self._routes.items() if e == peer.endpoint]:
-                del self._routes[key]
-            self._dp_sizes.pop(peer.bootstrap_addr, None)
-        self._push.purge(peer.endpoint)
-        if confirmed_gone is None:
-            confirmed_gone = port_closed(peer.info.rank_ip, peer.info.rank_port)
-        log.warning("%s; declared dead (%s)", reason, "gone" if confirmed_gone else "may be hung: quarantining its rooms")
-        now = time.monotonic()
-        with self._lock:
-            for r in self._rooms.values():
-                if r.endpoint != peer.endpoint or r.status.terminal:
-                    continue
-                if r.info_sent_at is None or confirmed_gone:
-                    self._finalize_locked(r, KVPoll.Failed, r.pending_fail or reason)
-                else:
-                    r.pending_fail = r.pending_fail or reason
-                    r.fence_deadline = min(r.fence_deadline, now + self.config.hung_peer_quarantine_s)
-
     def _timers(self, now: float) -> None:
         cfg = self.config
         aborts: list[tuple[_Room, str]] = []
@@ -330,8 +280,11 @@ class DecodeKVManager:
                     continue
                 if r.pending_fail is not None:
                     if now >= r.fence_deadline:
-                        log.error("room %d: no answer from prefill %s; failing it after the fence deadline", r.room, r.endpoint)
+                        log.error("room %d: no answer from prefill %s by the fence deadline; failing it", r.room, r.endpoint)
                         self._finalize_locked(r, KVPoll.Failed, r.pending_fail)
+                        if r.peer is not None:  # no proof the peer's writes ended: hold the pages
+                            i = r.peer.info
+                            self._fenced.hold(Fenced(r.room, i.endpoint, i.rank_ip, i.rank_port, i.instance_id, now))
                 elif r.info_sent_at is None and now - r.created > cfg.bootstrap_timeout_s:
                     what = "reach the prefill" if r.status is KVPoll.Bootstrapping else "reserve memory"
                     self._finalize_locked(r, KVPoll.Failed, f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)")

@@ -75,3 +75,6 @@ class DecodeKVReceiver(_RoomHandle, KVReceiver):
 
     def poll(self) -> KVPoll:
         return self._poll_room(fenced=False)
+
+    def fenced(self) -> bool:
+        return self.room in self._mgr._fenced

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
+import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common import envs
 from transfer import descriptors as d
 from transfer import messages as m
 from transfer.aux import AuxPool, AuxRecord
@@ -64,6 +67,7 @@ class TransferWorker:
         self.thread = threading.Thread(target=self._run, name=f"pdc-transfer-worker-{index}", daemon=True)
         #: Descriptors this worker handed to the engine (observability and tests).
         self.descriptors_written = 0
+        self._stop_room = envs.FAULT_STOP_BEFORE_WRITE_ROOM.get()  # fault injection; -1: off
 
     def put(self, chunk: Chunk) -> None:
         self._queue.put(chunk)
@@ -142,6 +146,10 @@ class TransferWorker:
                 n += len(piece)
             if not batch:
                 return
+            if self._stop_room in rooms:
+                log.warning("fault injection: stopping this process before writing room %d", self._stop_room)
+                self._stop_room = -1  # once: the test resumes us with SIGCONT
+                os.kill(os.getpid(), signal.SIGSTOP)
             desc = d.concat(batch)
             if not self._engine.write(session, desc):
                 error = f"decode {session} unreachable: write of {len(desc)} descriptors failed"

@@ -100,6 +100,10 @@ class FakeReceiver(KVReceiver):
         self.slot: int | None = None
         self.reason: str | None = None
         self.abort_pending: str | None = None
+        self.held = False  # Failed while the prefill may still write (the transfer layer's fence)
+
+    def fenced(self) -> bool:
+        return self.held
 
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
         assert self.status is KVPoll.WaitingForInput, self.status
@@ -372,6 +376,36 @@ def test_abort_in_every_stage_answers_once_and_releases_once(stage: str) -> None
         rig.hub.rx[1].status = KVPoll.Failed
     rig.sched.abort("busy")
     rig.run()
+    rig.assert_clean()
+
+
+def test_fenced_room_is_answered_at_once_but_its_memory_held_until_the_fence_lifts() -> None:
+    rig = Rig(pages=16)
+    rig.add("x", prompt_of(1, 2 * PS), 4, room=1)  # 2 prompt pages
+    rig.step(complete=False)
+    assert rig.hub.rx[1].status is KVPoll.Transferring
+    rig.hub.fail(1, "prefill hung past its bound")
+    rig.hub.rx[1].held = True
+    rig.step(complete=False)
+    fin = rig.final("x")
+    assert fin.finish is not None and fin.finish.type == "abort" and fin.http_status == 503
+    m = rig.stats.memory()
+    assert (m["fenced_reqs"], m["fenced_pages"]) == (1, 2) and m["free_pages"] == 14 and m["aux_free_slots"] == 15
+    assert rig.stats.metrics()["fenced_reqs"] == 1 and not rig.sched.idle
+    # A room arriving now gets other pages: the fenced ones are never handed out.
+    rig.add("y", prompt_of(2, 2 * PS), 3, room=2)
+    for _ in range(20):
+        rig.step()
+        assert not set(rig.hub.rx[2].pages or []) & set(rig.hub.rx[1].pages or [])
+        if rig.finished("y"):
+            break
+    assert rig.tokens("y") == reference(prompt_of(2, 2 * PS), 3)
+    for _ in range(3):
+        rig.step()  # still fenced: nothing freed, whatever the number of steps
+    assert rig.stats.memory()["fenced_pages"] == 2 and rig.memory.allocator.num_free == 14
+    rig.hub.rx[1].held = False  # the peer was proven unable to write
+    rig.run()
+    assert rig.stats.memory()["fenced_reqs"] == 0 and len([o for o in rig.outputs["x"] if o.finish]) == 1
     rig.assert_clean()
 
 
