@@ -28,8 +28,9 @@ Contract for scheduler authors
     None`` marks a *local* request (``/health_generate``, a client talking to the node
     directly): the scheduler either serves it without any transfer or finishes it at once with
     ``error`` + ``http_status`` 400. ``sampling.stop`` strings must be checked by the scheduler
-    too (it has to stop generating); the API only trims the text. ``return_logprob`` and
-    ``top_logprobs_num`` are mirrored in ``sampling``; ``sampling.n`` is always 1. ``stream``
+    too (it has to stop generating); the API only trims the text. Logprob requests live in
+    ``sampling`` alone (``return_logprob``, ``top_logprobs_num``: the parser normalised them
+    once); ``sampling.n`` is always 1. ``stream``
     says whether the client streams: a scheduler may send a non-streamed request's tokens in
     fewer, larger ``ReqOutput``s (the API handles any split).
 ``AbortReq``
@@ -93,8 +94,6 @@ class GenerateReq(msgspec.Struct, tag="generate", **_STRUCT_OPTS):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None  # in [0, MAX_BOOTSTRAP_ROOM]
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
     arrival_time: float = 0.0  # time.time() when the API received the HTTP request
 
 

@@ -35,7 +35,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk
@@ -71,9 +70,6 @@ class DecodeScheduler(DecodeQueues):
 
     def add(self, msg: GenerateReq) -> None:
         params = msg.sampling
-        if msg.return_logprob or msg.top_logprobs_num:
-            params = msgspec.structs.replace(params, return_logprob=True,
-                                             top_logprobs_num=max(params.top_logprobs_num, msg.top_logprobs_num))
         local = msg.bootstrap_room is None
         addr = None
         if not local and msg.bootstrap_host is not None and msg.bootstrap_port is not None:

@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
 
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import ExtendChunk
@@ -136,10 +135,7 @@ class PrefillScheduler(PrefillQueues):
             self.counters.rejected += 1
             out.append(failed(msg.rid, f"{where}: {error}", 400, len(msg.input_ids)))
             return
-        params = msgspec.structs.replace(
-            msg.sampling, return_logprob=msg.sampling.return_logprob or msg.return_logprob,
-            top_logprobs_num=max(msg.sampling.top_logprobs_num, msg.top_logprobs_num))
-        req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), params, sender)
+        req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), msg.sampling, sender)
         self.reqs[req.rid] = req
         if error is not None:
             # The decode holds pages for this room and waits for its KV: abort the room so it

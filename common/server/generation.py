@@ -69,8 +69,7 @@ class Inflight:
             self.client.send(GenerateReq(
                 rid=sub.rid, input_ids=sub.input_ids, sampling=sub.sampling, stream=self.req.stream,
                 bootstrap_host=sub.bootstrap_host, bootstrap_port=sub.bootstrap_port,
-                bootstrap_room=sub.bootstrap_room, return_logprob=sub.return_logprob,
-                top_logprobs_num=sub.top_logprobs_num, arrival_time=self.req.arrival_time))
+                bootstrap_room=sub.bootstrap_room, arrival_time=self.req.arrival_time))
         if request is not None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch(request))
 

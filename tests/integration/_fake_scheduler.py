@@ -114,10 +114,10 @@ class Fake:
             elif k >= req.sampling.max_new_tokens:
                 finish = FinishReason(type="length", length=k)
             lp = top = None
-            if req.return_logprob:
+            if req.sampling.return_logprob:
                 lp = [-0.01 * k]
                 top = [[(self.alphabet[(self.alphabet.index(tid) + j) % len(self.alphabet)], -0.01 * k - j)
-                        for j in range(req.top_logprobs_num)]]
+                        for j in range(req.sampling.top_logprobs_num)]]
             out.append(ReqOutput(rid=rid, new_token_ids=[tid], new_logprobs=lp, new_top_logprobs=top,
                                  finish=finish, prompt_tokens=n_prompt, completion_tokens=k, cached_tokens=1))
             if finish is None:

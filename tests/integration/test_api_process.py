@@ -247,7 +247,7 @@ def test_generate_whole_and_stream(decode: Node, tok: Tokenizer, alphabet: list[
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(pids), 6)
     assert [x[1] for x in meta["output_token_logprobs"]] == want
     sent = decode.wait_received("generate", lambda m: client_rid(m["rid"]) == "gen-1")
-    assert sent["input_ids"] == pids and sent["sampling"]["max_new_tokens"] == 6 and sent["return_logprob"]
+    assert sent["input_ids"] == pids and sent["sampling"]["max_new_tokens"] == 6 and sent["sampling"]["return_logprob"]
 
     s = post(decode, "/generate", {**body, "rid": "gen-2", "stream": True})
     events = sse_events(s)[:-1]

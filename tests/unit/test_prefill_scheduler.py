@@ -147,10 +147,10 @@ class Node:
         assert mem["locked_pages"] == 0
 
 
-def gen(rid: str, ids: list[int], room: int | None = None, max_new: int = 8, **kw: object) -> GenerateReq:
-    return GenerateReq(rid=rid, input_ids=ids, sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0),
-                       bootstrap_host=None if room is None else "127.0.0.1", bootstrap_port=None if room is None else 8998,
-                       bootstrap_room=room, **kw)  # type: ignore[arg-type]
+def gen(rid: str, ids: list[int], room: int | None = None, max_new: int = 8, **sampling: object) -> GenerateReq:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, **sampling)  # type: ignore[arg-type]
+    return GenerateReq(rid=rid, input_ids=ids, sampling=sp, bootstrap_host=None if room is None else "127.0.0.1",
+                       bootstrap_port=None if room is None else 8998, bootstrap_room=room)
 
 
 def prompt(n: int, base: int = 1) -> list[int]:

@@ -27,9 +27,10 @@ from common.request import FinishReason, SamplingParams
 
 TO_SCHED = [
     GenerateReq(rid="r1", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=7, temperature=0.0,
-                                                                     stop=["\n\n"], stop_token_ids=[5], seed=3),
+                                                                     stop=["\n\n"], stop_token_ids=[5], seed=3,
+                                                                     return_logprob=True, top_logprobs_num=3),
                 stream=True, bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=2**63 - 1,
-                return_logprob=True, top_logprobs_num=3, arrival_time=12.5),
+                arrival_time=12.5),
     GenerateReq(rid="local", input_ids=[9], sampling=SamplingParams()),
     AbortReq(rid="r1"),
     FlushCacheReq(query_id="q1"),

@@ -38,8 +38,7 @@ def wire(req: ParsedRequest) -> list[GenerateReq]:
     out = []
     for s in req.subs:
         msg = GenerateReq(rid=s.rid, input_ids=s.input_ids, sampling=s.sampling, bootstrap_host=s.bootstrap_host,
-                          bootstrap_port=s.bootstrap_port, bootstrap_room=s.bootstrap_room,
-                          return_logprob=s.return_logprob, top_logprobs_num=s.top_logprobs_num)
+                          bootstrap_port=s.bootstrap_port, bootstrap_room=s.bootstrap_room)
         back = decode_to_scheduler(encode(msg))
         assert back == msg
         out.append(back)
