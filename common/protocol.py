@@ -73,6 +73,7 @@ from typing import Generic, Literal, TypeVar
 import msgspec
 
 from common.request import FinishReason, SamplingParams
+from common.timeline import StageTimes
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     error: str | None = None
     http_status: int | None = None
+    timeline: StageTimes | None = None  # on a successful final output: the scheduler's stages
 
 
 class BatchOutput(msgspec.Struct, tag="batch_output", **_STRUCT_OPTS):

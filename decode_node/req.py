@@ -25,6 +25,7 @@ from common.kvcache.req_kv import ReqKV
 from common.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
 from common.sched.decode_budget import Holder
+from common.timeline import StageClock
 from transfer.aux import AuxRecord
 from transfer.base import KVReceiver
 
@@ -97,6 +98,7 @@ class DecodeReq:
     http_status: int | None = None
     retractions: int = 0
     drain_since: float = 0.0
+    clock: StageClock = field(default_factory=lambda: StageClock("decode"))  # prealloc, kv_transfer, first_token, decode
     _spec: SampleSpec | None = field(default=None, repr=False)
 
     def sample_spec(self) -> SampleSpec:
@@ -137,8 +139,13 @@ class DecodeReq:
         new = slice(self.sent, len(self.out))
         lp = self.params.return_logprob
         self.sent = len(self.out)
+        timeline = None
+        if self.finish is not None and self.error is None and self.room is not None:
+            self.clock.lap("decode")
+            self.clock.forwards = max(len(self.out) - 1, 0)  # decode steps (the first token came from the prefill)
+            timeline = self.clock.times()
         return ReqOutput(
             rid=self.rid, new_token_ids=self.out[new], new_logprobs=self.logprobs[new] if lp else None,
             new_top_logprobs=self.top_logprobs[new] if lp and self.params.top_logprobs_num else None,
             finish=self.finish, prompt_tokens=len(self.prompt), completion_tokens=len(self.out),
-            cached_tokens=self.cached_tokens, error=self.error, http_status=self.http_status)
+            cached_tokens=self.cached_tokens, error=self.error, http_status=self.http_status, timeline=timeline)

@@ -65,6 +65,7 @@ class DecodeScheduler(DecodeQueues):
                  stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig) -> None:
         super().__init__(memory, receivers, aux, cfg.drain_warn_s)
         self.engine, self.stop, self.budget, self.ratio, self.cfg = engine, stop, budget, ratio, cfg
+        self._first_token: list[DecodeReq] = []  # KV landed this step: first token goes out with it
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -108,6 +109,10 @@ class DecodeScheduler(DecodeQueues):
         self._poll_prealloc()
         self._merge_waiting()
         self._decode()
+        now = time.time()
+        for r in self._first_token:  # their first token leaves with this step's outputs
+            r.clock.lap("first_token", now)
+        self._first_token.clear()
         out, self._outbox = self._outbox, []
         return out
 
@@ -144,6 +149,7 @@ class DecodeScheduler(DecodeQueues):
             self.transfer.append(r)
             assert r.kv is not None and r.receiver is not None
             r.receiver.init(r.kv.pages, r.aux_slot)
+            r.clock.lap("prealloc")
 
     def _reserve_room(self, r: DecodeReq) -> bool:
         """Row + prompt pages + aux slot, all or nothing."""
@@ -176,6 +182,8 @@ class DecodeScheduler(DecodeQueues):
                 r.kv.kv_len = len(r.prompt)
                 r.cached_tokens = rec.cached_tokens
                 self.transfer.remove(r)
+                r.clock.lap("kv_transfer")
+                self._first_token.append(r)
                 if r.max_new == 0:
                     r.finish = FinishReason(type="length", length=0)
                 else:  # the first token, sampled by the prefill

@@ -1,12 +1,13 @@
 """One request as the prefill scheduler tracks it, and the replies it ends with."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import ReqKV
 from common.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
+from common.timeline import StageClock
 from transfer.aux import AuxRecord
 from transfer.base import KVSender
 
@@ -26,6 +27,7 @@ class PrefillReq:
     abort_status: int | None = None  # http status of a scheduler-side failure (None: client abort)
     finished: bool = False
     error_since: float | None = None  # first internal error in this request's own handling
+    clock: StageClock = field(default_factory=lambda: StageClock("prefill"))  # bootstrap, queue, forward, transfer
 
     @property
     def prompt_len(self) -> int:
@@ -58,8 +60,9 @@ def aux_record(req: PrefillReq, tok: SampledToken, top_k: int) -> AuxRecord:
 
 def transferred(req: PrefillReq) -> ReqOutput:
     """A disaggregated request's answer: its KV is on the decode; the prefill generates nothing."""
+    req.clock.lap("transfer")
     return ReqOutput(rid=req.rid, finish=FinishReason(type="length", length=0),
-                     prompt_tokens=req.prompt_len, cached_tokens=req.cached)
+                     prompt_tokens=req.prompt_len, cached_tokens=req.cached, timeline=req.clock.times())
 
 
 def local_answer(req: PrefillReq, finish: FinishReason) -> ReqOutput:
@@ -67,7 +70,7 @@ def local_answer(req: PrefillReq, finish: FinishReason) -> ReqOutput:
     tok = req.first
     ids = [tok.token_id] if tok is not None else []
     out = ReqOutput(rid=req.rid, new_token_ids=ids, finish=finish, prompt_tokens=req.prompt_len,
-                    completion_tokens=len(ids), cached_tokens=req.cached)
+                    completion_tokens=len(ids), cached_tokens=req.cached, timeline=req.clock.times())
     if tok is not None and req.params.return_logprob:
         out.new_logprobs = [tok.logprob if tok.logprob is not None else 0.0]
         out.new_top_logprobs = [list(tok.top_logprobs)]

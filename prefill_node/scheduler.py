@@ -179,6 +179,7 @@ class PrefillScheduler(PrefillQueues):
                 elif state is KVPoll.Failed:
                     self._finish_transfer(req, state, out)
                 else:  # WaitingForInput: the decode said where to write
+                    req.clock.lap("bootstrap")
                     self.waiting.append(req)
 
     def _drop_failed(self, out: list[ReqOutput]) -> None:
@@ -267,6 +268,9 @@ class PrefillScheduler(PrefillQueues):
             last = start + n == req.prompt_len
             specs.append(SampleSpec(req.params, (), req.input_ids) if last else None)
         t0 = self.clock()
+        wall = time.time()
+        for req, _ in batch:
+            req.clock.lap("queue", wall)  # waiting (and, between chunks, waiting for the next turn)
         self.chunked = None
         try:
             results = self.engine.run_extend(chunks, specs)
@@ -280,6 +284,10 @@ class PrefillScheduler(PrefillQueues):
         now = self.clock()
         self.counters.forwards += 1
         self.counters.forward_s += now - t0
+        wall = time.time()
+        for req, _ in batch:
+            req.clock.lap("forward", wall)
+            req.clock.forwards += 1
         for (req, n), tok in zip(batch, results):  # each request is in no queue until placed here
             with self._guard(req, "after the forward", out):
                 assert req.kv is not None

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -32,6 +33,7 @@ from router.metrics import RouterMetrics, stream_tokens
 from router.parse import RequestInfo, RouterError, bootstrap_fields
 from router.policies import Policy
 from router.rooms import Rooms
+from router.timeline import Marks, rewrite_body, rewrite_frames
 from router.workers import Worker, Workers
 
 log = logging.getLogger("router.forward")
@@ -85,6 +87,7 @@ class Forwarder:
 
     async def handle(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo) -> web.StreamResponse:
         t0 = time.monotonic()
+        marks = Marks(arrival=t0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._cfg.request_timeout_s
         avoid: set[str] = set()
@@ -106,7 +109,7 @@ class Forwarder:
             with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
                 self._policies["prefill"].on_routed(p, info.key)
                 self._policies["decode"].on_routed(d, None)
-                result = await self._try(request, endpoint, leg_body, info, p, d, room, t0, deadline)
+                result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline)
             if not isinstance(result, Failure):
                 return result
             failure = result
@@ -137,6 +140,12 @@ class Forwarder:
             return {**body, "rid": [f"{r}-retry{attempt}" for r in rid]}
         return {**body, "rid": f"{rid}-retry{attempt}"}
 
+    def _stage_observer(self, endpoint: str) -> Callable[[dict], None]:
+        def observe(timeline: dict) -> None:
+            for stage, ms in timeline["stages_ms"].items():
+                self._metrics.stage.labels(endpoint, stage).observe(ms / 1000.0)
+        return observe
+
     def _finish(self, endpoint: str, t0: float, resp: web.StreamResponse, reason: str | None = None) -> web.StreamResponse:
         self._metrics.requests.labels(endpoint, str(resp.status)).inc()
         if resp.status >= 400 and reason is not None:
@@ -147,12 +156,14 @@ class Forwarder:
     # ---- one try -------------------------------------------------------------------------------
 
     async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker, d: Worker,
-                   room: int, t0: float, deadline: float) -> web.StreamResponse | Failure:
+                   room: int, marks: Marks, deadline: float) -> web.StreamResponse | Failure:
+        t0 = marks.arrival
         boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
         pbody = {**body, **boot, "stream": False}
         pbody.pop("stream_options", None)
         dbody = {**body, **boot}
         path = PATHS[endpoint]
+        marks.sent = time.monotonic()
         prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline))
         decode = asyncio.create_task(self._open(d, path, dbody))
         d_resp: aiohttp.ClientResponse | None = None
@@ -177,17 +188,19 @@ class Forwarder:
                     if not info.stream:
                         try:
                             raw = await d_resp.read()
+                            final_in = time.monotonic()
                         except _CONNECTION_ERRORS as exc:
                             self._workers.mark_failed(d, f"{type(exc).__name__}: {exc}")
                             return Failure(f"decode {d.url} broke off its answer: {type(exc).__name__}", True, (d,))
                         out = _merge_input_logprobs(endpoint, raw, p_answer)
+                        out = rewrite_body(out, marks, final_in, p_answer, self._stage_observer(endpoint))
                         self._metrics.ttft.labels(endpoint).observe(time.monotonic() - t0)
                         resp = web.Response(body=out, status=200, content_type="application/json")
                         return self._finish(endpoint, t0, resp)
             except TimeoutError:
                 msg = f"no complete answer within the router's request timeout ({self._cfg.request_timeout_s:g} s)"
                 return Failure(msg, False, response=error_response(504, msg), kind="timeout")
-            resp = await self._pipe(request, endpoint, p, d, d_resp, t0, deadline, info.sequences)
+            resp = await self._pipe(request, endpoint, p, d, d_resp, marks, prefill, deadline, info.sequences)
             # The prefill answers about when the first token exists; wait for it (bounded by its
             # deadline) so its in-flight count and the rooms are released only once it is done.
             await asyncio.gather(prefill, return_exceptions=True)
@@ -234,9 +247,11 @@ class Forwarder:
         return judged
 
     async def _pipe(self, request: web.Request, endpoint: str, p: Worker, d: Worker, d_resp: aiohttp.ClientResponse,
-                    t0: float, deadline: float, sequences: int) -> web.StreamResponse:
+                    marks: Marks, prefill: asyncio.Task, deadline: float, sequences: int) -> web.StreamResponse:
         """Pass the decode's SSE stream on, frame by frame, as it arrives. Committed: a failure
         from here on reaches the client as an SSE error event, then [DONE]."""
+        t0 = marks.arrival
+        observe = self._stage_observer(endpoint)
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         buf = bytearray()
@@ -253,6 +268,8 @@ class Forwarder:
                         continue
                     frames = bytes(buf[:end + 2])
                     del buf[:end + 2]
+                    p_answer = prefill.result() if prefill.done() and not prefill.cancelled() else None
+                    frames = rewrite_frames(frames, marks, p_answer, observe)
                     await _write_to_client(resp, frames)
                     t_last = time.monotonic()
                     frames_sent += frames.count(b"\n\n")

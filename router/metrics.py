@@ -25,6 +25,7 @@ from router.workers import Worker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 
 class _WorkerCollector(Collector):
@@ -127,6 +128,9 @@ class RouterMetrics:
                               registry=r)
         self.latency = Histogram("pdc_router_request_seconds", "arrival to last byte sent", ["endpoint"],
                                  buckets=_BUCKETS, registry=r)
+        # Each stage of a finished request's timeline (router/timeline.py), decode's included.
+        self.stage = Histogram("pdc_router_stage_seconds", "time finished requests spent in each stage",
+                               ["endpoint", "stage"], buckets=_STAGE_BUCKETS, registry=r)
         r.register(_WorkerCollector(workers))
         self.recent = RecentLatency()
 

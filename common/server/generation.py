@@ -146,6 +146,9 @@ class Inflight:
             if s.finished and not s.failed:
                 m.prompt_tokens.labels(**m.l()).inc(s.prompt_tokens)
                 m.cached_tokens.labels(**m.l()).inc(s.cached_tokens)
+                timeline = s.timeline(self.req.arrival_time)
+                for stage, ms in (timeline or {}).get("stages_ms", {}).items():
+                    m.stage.labels(**m.l(stage=stage)).observe(ms / 1000.0)
         m.e2e.labels(**m.l()).observe(time.time() - self.req.arrival_time)
 
     def abort_all(self) -> list[str]:

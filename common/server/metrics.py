@@ -16,6 +16,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -38,6 +39,9 @@ class ApiMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdc_api_e2e_request_latency_seconds", "arrival to the last sequence's end", names,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.stage = Histogram("pdc_api_stage_seconds", "time a finished sequence spent in each stage "
+                               "(common/timeline.py)", names + ["stage"], buckets=_STAGE_BUCKETS,
+                               registry=self.registry)
         self.throughput = Gauge("pdc_api_generation_tokens_per_second",
                                 f"tokens generated per second over the last {window_s:g} s", names,
                                 registry=self.registry)

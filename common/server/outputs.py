@@ -13,6 +13,7 @@ from common.protocol import ReqOutput
 from common.request import FinishReason
 from common.server.parse_common import SubRequest
 from common.server.textio import TokenizerLike, new_detokenizer, token_piece
+from common.timeline import StageTimes, node_timeline
 from common.tokenizer import IncrementalDetokenizer
 
 
@@ -32,6 +33,7 @@ class SubState:
     http_status: int | None = None
     # how many of output_ids / logprobs a stream has already sent (OpenAI streams send deltas)
     sent_tokens: int = 0
+    times: StageTimes | None = None  # the scheduler's stages, with the final output
 
     @classmethod
     def new(cls, sub: SubRequest, tok: TokenizerLike) -> SubState:
@@ -53,6 +55,8 @@ class SubState:
         self.completion_tokens = max(out.completion_tokens, len(self.output_ids))
         self.cached_tokens = out.cached_tokens
         delta = self.detok.add(out.new_token_ids, out.finish)
+        if out.timeline is not None:
+            self.times = out.timeline
         if out.finish is not None:
             self.finish = out.finish
             self.error = out.error
@@ -92,6 +96,10 @@ class SubState:
         if self.error is not None:
             meta["error"] = self.error
         return meta
+
+    def timeline(self, arrival: float) -> dict | None:
+        """``meta_info["timeline"]`` (common.timeline), once the scheduler reported its stages."""
+        return None if self.times is None else node_timeline(self.times, arrival)
 
 
 def _piece(tok: TokenizerLike | None, tid: int) -> str | None:

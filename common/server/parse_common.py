@@ -62,6 +62,7 @@ class ParsedRequest:
     batch: bool = False  # native only: answer with a list
     include_usage: bool = False  # OpenAI stream_options.include_usage
     return_text_in_logprobs: bool = False  # native only
+    return_timeline: bool = False  # OpenAI only: add each choice's stage timeline (native: always)
     arrival_time: float = field(default_factory=time.time)
 
 

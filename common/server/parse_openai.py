@@ -98,7 +98,8 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
             finalize_sub(sub, cfg, tok.vocab_size, sample=j)
             subs.append(sub)
     return ParsedRequest(kind=kind, rid=parent, subs=subs, stream=stream,  # type: ignore[arg-type]
-                         model=cfg.model_name, n=n, include_usage=include_usage)
+                         model=cfg.model_name, n=n, include_usage=include_usage,
+                         return_timeline=get_bool(body, "return_timeline"))
 
 
 def parse_completion(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:

@@ -46,6 +46,9 @@ def usage(req: ParsedRequest, states: list[SubState]) -> dict:
 def native_item(req: ParsedRequest, s: SubState, tok: TokenizerLike, stream: bool = False) -> dict:
     out = {"text": s.text, "output_ids": list(s.output_ids),
            "meta_info": s.meta_info(req.return_text_in_logprobs, tok)}
+    timeline = s.timeline(req.arrival_time)
+    if timeline is not None:  # our extension: always on the native endpoint
+        out["meta_info"]["timeline"] = timeline
     if stream or req.batch:
         out["index"] = s.sub.index
     return out
@@ -95,13 +98,23 @@ def _finish(s: SubState) -> tuple[str | None, Any]:
     return s.finish.openai, matched
 
 
+def _with_timeline(req: ParsedRequest, s: SubState, choice: dict) -> dict:
+    """An OpenAI choice carries the stage timeline only when the request asked for it
+    (``"return_timeline": true``): clients see a standard body otherwise."""
+    if req.return_timeline:
+        timeline = s.timeline(req.arrival_time)
+        if timeline is not None:
+            choice["timeline"] = timeline
+    return choice
+
+
 def completion_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) -> dict:
     choices = []
     for s in states:
         reason, matched = _finish(s)
         lp = completion_logprobs(s, tok, 0, len(s.output_ids), 0) if s.sub.return_logprob else None
-        choices.append({"index": s.sub.index, "text": s.text, "logprobs": lp, "finish_reason": reason,
-                        "matched_stop": matched})
+        choices.append(_with_timeline(req, s, {"index": s.sub.index, "text": s.text, "logprobs": lp,
+                                               "finish_reason": reason, "matched_stop": matched}))
     return {"id": req.rid, "object": "text_completion", "created": int(req.arrival_time), "model": req.model,
             "choices": choices, "usage": usage(req, states)}
 
@@ -111,8 +124,8 @@ def chat_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) ->
     for s in states:
         reason, matched = _finish(s)
         lp = chat_logprobs(s, tok, 0, len(s.output_ids)) if s.sub.return_logprob else None
-        choices.append({"index": s.sub.index, "message": {"role": "assistant", "content": s.text},
-                        "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
+        choices.append(_with_timeline(req, s, {"index": s.sub.index, "message": {"role": "assistant", "content": s.text},
+                                               "logprobs": lp, "finish_reason": reason, "matched_stop": matched}))
     return {"id": req.rid, "object": "chat.completion", "created": int(req.arrival_time), "model": req.model,
             "choices": choices, "usage": usage(req, states)}
 
@@ -173,6 +186,7 @@ class StreamShaper:
             choice = {"index": idx, "text": delta, "logprobs": lp, "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = matched
+            _with_timeline(self.req, s, choice)
         chunks.append(self._openai(choice))
         return chunks
 
