@@ -45,8 +45,10 @@ def exported() -> tuple[set[str], set[str]]:
     router.retries.labels("generate").inc()
     router.ttft.labels("generate").observe(0.1)
     router.latency.labels("generate").observe(0.2)
+    router.stage.labels("generate", "decode.kv_transfer").observe(0.01)
     api = ApiMetrics("decode", "m")
     api.requests.labels(**api.l(endpoint="generate", status="200")).inc()
+    api.stage.labels(**api.l(stage="prealloc")).observe(0.001)
     gauges = {**Node().stats.metrics(), **Rig().stats.metrics()}
     gauge_text = scheduler_gauges(gauges, {"role": "decode", "model_name": "m"})
     names = _registry_names(router.registry) | _registry_names(api.registry)
