@@ -43,9 +43,11 @@ from dataclasses import asdict
 from urllib.parse import urlparse
 
 import aiohttp
+from tqdm import tqdm
 
 from common.tools import bench_report as report
 from common.tools.bench_client import ENDPOINTS, RequestResult, Target, send
+from common.tools.bench_plots import write_plots
 from common.tools.bench_nodes import compare, format_nodes, router_nodes, snapshot
 from common.tools.bench_workload import BenchRequest, make_workload
 from common.tools.local_cluster import ROUTERS, LocalCluster, get_json
@@ -111,6 +113,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def check_args(a: argparse.Namespace) -> str | None:
     """The first problem with the arguments, or None."""
+    if a.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(a.json_path))):
+        return f"--json {a.json_path}: its directory does not exist"
     if a.make_tiny_model:
         a.launch = True
     pair = a.prefill or a.decode or a.bootstrap_port is not None
@@ -173,9 +177,13 @@ def vocab_size(a: argparse.Namespace, info: dict) -> int | None:
 
 
 async def run_requests(target: Target, reqs: list[BenchRequest], max_concurrency: int | None,
-                       request_timeout_s: float, deadline_s: float) -> tuple[list[RequestResult], float]:
+                       request_timeout_s: float, deadline_s: float,
+                       progress: bool = False) -> tuple[list[RequestResult], float]:
     """Send ``reqs`` at their arrival offsets; return one result per request (in order) and the
-    duration from the first send to the last answer. Never raises for a request's sake."""
+    duration from the first send to the last answer. Never raises for a request's sake. With
+    ``progress``, a bar on stderr counts answers (tqdm leaves it out when stderr is no terminal)."""
+    bar = tqdm(total=len(reqs), desc="requests", unit="req", file=sys.stderr, disable=None if progress else True,
+               mininterval=0.5, leave=False)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     # No pool limit (the semaphore is the cap); a slow connect is its own clear error.
     session_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -186,10 +194,13 @@ async def run_requests(target: Target, reqs: list[BenchRequest], max_concurrency
             delay = req.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is None:
-                return await send(session, target, req, t0, request_timeout_s)
-            async with sem:
-                return await send(session, target, req, t0, request_timeout_s)
+            try:
+                if sem is None:
+                    return await send(session, target, req, t0, request_timeout_s)
+                async with sem:
+                    return await send(session, target, req, t0, request_timeout_s)
+            finally:
+                bar.update(1)
 
         tasks = [asyncio.create_task(one(r)) for r in reqs]
         _, pending = await asyncio.wait(tasks, timeout=deadline_s)
@@ -197,6 +208,7 @@ async def run_requests(target: Target, reqs: list[BenchRequest], max_concurrency
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         duration = time.perf_counter() - t0
+    bar.close()
     results = []
     for req, task in zip(reqs, tasks):
         if task.cancelled():
@@ -247,7 +259,8 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
           f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
           f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
     cpu_before, client_before = (cluster.cpu_seconds() if cluster else None), time.process_time()
-    results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout))
+    results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout,
+                                                 progress=True))
     cpu = cpu_used(cpu_before, cluster.cpu_seconds() if cluster else None, time.process_time() - client_before)
     load_after = os.getloadavg()
     summary = report.summarize(results, duration, a.slo_ttft_ms, a.slo_tpot_ms)
@@ -263,6 +276,9 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
            "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
            "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
            "requests": [asdict(r) for r in results]}
+    if a.json_path:  # pictures for people, next to the JSON; their series go into it too
+        doc["plots"] = write_plots(a.json_path, results, duration)
+        print("plots: " + ", ".join(p["png"] for p in doc["plots"].values()))
     return (0 if summary["failed"] == 0 and leak_clean else 1), doc
 
 

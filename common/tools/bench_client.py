@@ -74,6 +74,9 @@ class RequestResult:
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    # The answer's stage timeline, flattened (stage -> ms): the router's composed one, or a
+    # node's own when the bench talks to the nodes directly (docs/OPERATIONS.md §3).
+    stages_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def tpot_s(self) -> float | None:
@@ -98,6 +101,7 @@ class StreamTimer:
         self.ttft_s: float | None = None
         self.itl_s: list[float] = []
         self.finish_reason: str | None = None
+        self.stages_ms: dict[str, float] = {}
         self._last: float | None = None
 
     def on_event(self, now: float, event: dict) -> None:
@@ -113,6 +117,8 @@ class StreamTimer:
             finish = meta.get("finish_reason") if isinstance(meta, dict) else None
             if isinstance(finish, dict):
                 self.finish_reason = str(finish.get("type"))
+            if isinstance(meta, dict):
+                self._timeline(meta.get("timeline"))
             if not isinstance(ids, list):
                 return
             total = len(ids)
@@ -126,6 +132,10 @@ class StreamTimer:
         self._last = now
         self.tokens = total
 
+    def _timeline(self, timeline: object) -> None:
+        if isinstance(timeline, dict) and isinstance(timeline.get("stages_ms"), dict):
+            self.stages_ms = {str(k): float(v) for k, v in timeline["stages_ms"].items()}
+
     def _openai_total(self, event: dict) -> int | None:
         """Tokens so far after an OpenAI chunk; None when the chunk adds no timing sample."""
         usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
@@ -135,6 +145,7 @@ class StreamTimer:
         choice = event["choices"][0]
         if choice.get("finish_reason"):
             self.finish_reason = str(choice["finish_reason"])
+        self._timeline(choice.get("timeline"))
         if "completion_tokens" in usage:
             return int(usage["completion_tokens"])
         return self.tokens + 1 if choice.get("text") else None
@@ -155,7 +166,7 @@ def sse_events(buf: bytearray) -> list[bytes]:
 def request_body(req: BenchRequest, target: Target) -> dict:
     if target.endpoint == "completions":
         return {"model": target.model, "prompt": req.input_ids, "max_tokens": req.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True,
+                "ignore_eos": True, "stream": True, "return_timeline": True,  # ours; other servers ignore it
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     return {
         "input_ids": req.input_ids,
@@ -200,8 +211,8 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
             if not prefill.done():
                 prefill.cancel()
             await asyncio.gather(prefill, return_exceptions=True)
-    res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason = (
-        timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason)
+    res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason, res.stages_ms = (
+        timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason, timer.stages_ms)
     if res.ok and res.output_tokens != req.output_len:
         res.ok = False
         res.error = f"stream ended after {res.output_tokens} of {req.output_len} tokens"

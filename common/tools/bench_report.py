@@ -80,9 +80,24 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo_ttft_ms: 
         "tpot_ms": distribution_ms(tpots),
         "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefill_answer_ms": distribution_ms([r.prefill_s for r in ok if r.prefill_s is not None]),
+        "stages_ms": stage_breakdown(ok),
         "goodput": {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good_requests": len(good),
                     "request_goodput": round(len(good) / dur, 4)},
     }
+
+
+def stage_breakdown(ok: Sequence[RequestResult]) -> dict[str, dict[str, float]]:
+    """mean/p50/p90/p99/max of each timeline stage over the requests that report one, in the
+    stages' own order (empty when the server sends no timelines)."""
+    names: dict[str, None] = {}
+    for r in ok:
+        names.update(dict.fromkeys(r.stages_ms))
+    out = {}
+    for name in names:
+        d = distribution_ms([r.stages_ms[name] / 1000.0 for r in ok if name in r.stages_ms])
+        if d is not None:
+            out[name] = d
+    return out
 
 
 def _meets(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -202,4 +217,8 @@ def format_report(summary: dict) -> str:
         d = s[key]
         if d is not None:
             lines.append(f"{label:<20}" + "".join(f"{d[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99", "max")))
+    if s.get("stages_ms"):
+        lines.append("stage timeline (ms, per request)")
+        for name, d in s["stages_ms"].items():
+            lines.append(f"  {name:<18}" + "".join(f"{d[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99", "max")))
     return "\n".join(lines)

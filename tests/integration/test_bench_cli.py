@@ -28,6 +28,7 @@ import pytest
 from aiohttp import web
 
 from common.server.metrics import scheduler_gauges
+from common.tools import bench_plots
 from common.tools import bench_report as report
 from common.tools.bench import run_requests
 from common.tools.bench_client import RequestResult, StreamTimer, Target, sse_events
@@ -114,6 +115,35 @@ def check_cli_report(rc: int, doc: dict, stdout: str, model_dir: str, rate: floa
     assert set(cpu) == want_cpu | ({"router"} if router else set())
     assert cpu["decode0_scheduler"] > 0 and cpu["prefill0_scheduler"] > 0 and cpu["bench_client"] > 0
     assert (doc["target"]["url"] is not None) == router
+    check_plots(doc, router)
+
+
+def check_plots(doc: dict, router: bool) -> None:
+    """The PNGs next to the JSON are real images, and the series they were drawn from (kept in the
+    JSON) hold the run's data: recomputed here from the per-request results."""
+    from PIL import Image
+
+    plots = doc["plots"]
+    assert set(plots) == {"latency", "timeline", "stages"}
+    for name, plot in plots.items():
+        path = Path(plot["png"])
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        with Image.open(path) as im:
+            assert im.format == "PNG" and im.width >= 400 and im.height >= 200, (name, im.size)
+    reqs = doc["requests"]
+    lat = plots["latency"]["series"]
+    assert lat["e2e_ms"]["x"] == sorted(round(r["e2e_s"] * 1000.0, 3) for r in reqs)
+    assert lat["ttft_ms"]["y"][-1] == 1.0 and len(lat["itl_ms"]["x"]) == sum(len(r["itl_s"]) for r in reqs)
+    tl = plots["timeline"]["series"]
+    assert sum(tl["tokens_per_s"]) * bench_plots.BIN_S == pytest.approx(doc["summary"]["total_output_tokens"])
+    in_flight_s = sum(tl["inflight"]) * bench_plots.BIN_S  # request-seconds in flight = sum of E2E
+    assert in_flight_s == pytest.approx(sum(r["e2e_s"] for r in reqs), rel=1e-3)
+    st = plots["stages"]["series"]
+    assert sorted(st["request"]) == sorted(float(r["index"]) for r in reqs)
+    first = ["router_pick", "decode_hop"] if router else ["api_in", "prealloc"]  # composed vs the decode's own
+    assert list(st)[1:3] == first and list(doc["summary"]["stages_ms"])[:2] == first
+    for r in reqs:  # every request's stages add up to the time the server saw it (<= the client's E2E)
+        assert 0 < sum(r["stages_ms"].values()) <= r["e2e_s"] * 1000.0 + 1.0
 
 
 @pytest.fixture(scope="module")
