@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak clean
 
 setup: $(VENV)/.installed
 
@@ -63,6 +63,16 @@ test-e2e: setup router-venv test-deps
 
 run: setup
 	$(BIN)/pdcluster up --demo
+
+# Reliability runs (docs/RELIABILITY.md): 1000 requests under client and node faults through our
+# router over 2 prefill + 2 decode nodes; a 10-minute soak at saturation with RSS sampled.
+CHAOS_REQUESTS ?= 1000
+SOAK_S ?= 600
+chaos: setup
+	$(BIN)/python -m tests.chaos --requests $(CHAOS_REQUESTS)
+
+soak: setup
+	$(BIN)/python -m tests.chaos --soak-s $(SOAK_S)
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools
