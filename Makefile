@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -73,6 +73,10 @@ chaos: setup
 
 soak: setup
 	$(BIN)/python -m tests.chaos --soak-s $(SOAK_S)
+
+FUZZ_EXAMPLES ?= 500
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_fuzz_http.py tests/unit/test_fuzz_control_plane.py
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools

@@ -195,6 +195,13 @@ async def abort_request(request: web.Request) -> web.Response:
         body = await request.json()
     except ValueError:
         return error_response(400, "the body is not valid JSON")
+    # The nodes' own rule, checked here: a body every node would refuse is the client's error
+    # (400), not a failure of the workers (502). Found by tests/e2e/test_fuzz_http.py.
+    if not isinstance(body, dict):
+        return error_response(400, "the body must be a JSON object")
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    if not isinstance(abort_all, bool) or (rid is not None and not isinstance(rid, str)) or (rid is None and not abort_all):
+        return error_response(400, 'expected {"rid": string} or {"abort_all": true}')
     return await fan_out(request, "/abort_request", body)
 
 
