@@ -58,7 +58,17 @@ def assert_serving(c: Cluster) -> None:
     c.wait_idle()
 
 
-def test_forced_retraction_every_request_gets_reference_tokens(cluster: Cluster) -> None:
+@pytest.fixture(scope="module")
+def patient_cluster(tiny_qwen3: str) -> Iterator[Cluster]:
+    """The small pool with a long bootstrap timeout: rooms queue for memory behind the retracted
+    ones, and on a loaded 2-core CI box that wait outlasted the 5 s of FAST_FAIL_ENV (a 503
+    "could not reserve memory within 5s"), which is not what this test is about."""
+    with running_cluster(tiny_qwen3, decode_args=SMALL_POOL, env={**FAST_FAIL_ENV, "PDC_BOOTSTRAP_TIMEOUT_S": "60"}) as c:
+        yield c
+
+
+def test_forced_retraction_every_request_gets_reference_tokens(patient_cluster: Cluster) -> None:
+    cluster = patient_cluster
     before = metric(cluster.decode.url, "pdc_scheduler_retractions_total")
     # 10 rooms of 18..45 prompt tokens and 64 new tokens each: ~100 pages of demand for 16.
     prompts = [[(17 * i + 3 * k) % 900 + 3 for k in range(18 + 3 * i)] for i in range(10)]
