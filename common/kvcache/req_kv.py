@@ -7,6 +7,10 @@ from the prefix cache (read-only, pinned by a lock on ``node``); the rest are th
     positions  0 ........ num_cached ............... kv_len ...... capacity
     pages      [cached, locked][ own pages, written by forward ][ reserved ]
 
+Hybrid models also give each request a recurrent-state slot (``state_pool.py``), taken in
+``admit`` with the row and freed in ``release`` with it; ``row_state[row]`` maps a row to its slot
+for the forward pass.
+
 Every path ends in exactly one ``release`` (finish, abort, failure); a second one is a bug and
 raises. Capacity that a scheduler may plan with is ``available_pages()``: free pages plus
 pages the cache could evict.
@@ -21,6 +25,7 @@ import torch
 from common.kvcache.allocator import KVAccountingError, PageAllocator, pages_to_slots
 from common.kvcache.radix_cache import RadixCache, RadixNode
 from common.kvcache.req_to_token import ReqToTokenPool
+from common.kvcache.state_pool import StatePool
 
 
 @dataclass
@@ -31,14 +36,21 @@ class ReqKV:
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # tokens whose K/V is in the pool
     released: bool = False
+    state_slot: int | None = None  # hybrid models only: the request's recurrent-state slot
 
 
 class KVMemory:
-    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, cache: RadixCache, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, cache: RadixCache, page_size: int,
+                 states: StatePool | None = None) -> None:
+        if states is not None and cache.enabled:
+            # A cached prefix has KV but no state for its last token: a hit would skip the state.
+            raise ValueError("the prefix cache cannot serve a model with recurrent state")
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.cache = cache
         self.page_size = page_size
+        self.states = states
+        self.row_state = torch.zeros(req_to_token.max_reqs, dtype=torch.int64, device=req_to_token.device)  # [R]
 
     # -- capacity ---------------------------------------------------------------------------
 
@@ -50,18 +62,30 @@ class KVMemory:
 
     # -- lifecycle --------------------------------------------------------------------------
 
+    def can_admit(self) -> bool:
+        """Whether ``admit`` would find a row (and a state slot, for hybrid models)."""
+        return self.req_to_token.num_free > 0 and (self.states is None or self.states.num_free > 0)
+
     def admit(self, token_ids: Sequence[int], use_cache: bool = True) -> ReqKV | None:
-        """Take a request row and the longest cached prefix of ``token_ids`` (leaving at least
-        one token to compute). None when no row is free."""
-        row = self.req_to_token.alloc()
-        if row is None:
+        """Take a request row (and a zeroed state slot, for hybrid models) and the longest cached
+        prefix of ``token_ids`` (leaving at least one token to compute). None when no row or no
+        state slot is free."""
+        if not self.can_admit():
             return None
+        row = self.req_to_token.alloc()
+        assert row is not None
+        slot = None
+        if self.states is not None:
+            slot = self.states.alloc()
+            assert slot is not None
+            self.row_state[row] = slot
         if use_cache:
             match = self.cache.match_prefix(token_ids, max_tokens=len(token_ids) - 1)
         else:
             match = self.cache.match_prefix([], max_tokens=0)
         self.cache.inc_lock(match.node)
-        req = ReqKV(row=row, node=match.node, num_cached=match.num_tokens, pages=list(match.pages), kv_len=match.num_tokens)
+        req = ReqKV(row=row, node=match.node, num_cached=match.num_tokens, pages=list(match.pages),
+                    kv_len=match.num_tokens, state_slot=slot)
         if match.pages:
             self._write_row(req, 0, match.pages)
         return req
@@ -105,15 +129,21 @@ class KVMemory:
         else:
             self.allocator.free(req.pages[req.num_cached // self.page_size : used])
             self.cache.dec_lock(req.node)
+        if req.state_slot is not None and self.states is not None:
+            self.states.free(req.state_slot)
         self.req_to_token.free(req.row)
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
         self.req_to_token.check_integrity()
         self.cache.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()
 
     def stats(self) -> dict[str, int]:
-        return {
+        states = {} if self.states is None else {
+            "total_state_slots": self.states.max_slots, "free_state_slots": self.states.num_free}
+        return states | {
             "page_size": self.page_size,
             "total_pages": self.allocator.num_total,
             "free_pages": self.allocator.num_free,
