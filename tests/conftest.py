@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight checkpoints, built once per test session.
 
     tiny_qwen3, tiny_llama     paths of the default checkpoints (seed 0)
+    tiny_lfm2                  the hybrid (short conv + attention, recurrent state) checkpoint
     tiny_model_dir             the same, parametrized over both archs (a test using it runs twice)
     tiny_model_factory(arch, seed=0, **overrides) -> path, cached per arguments
 
@@ -55,6 +56,11 @@ def tiny_qwen3(tiny_model_factory: Callable[..., str]) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory: Callable[..., str]) -> str:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_lfm2(tiny_model_factory: Callable[..., str]) -> str:
+    return tiny_model_factory("lfm2")
 
 
 @pytest.fixture(scope="session", params=TINY_ARCHS)

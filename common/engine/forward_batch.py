@@ -9,7 +9,8 @@ Tokens of all requests are packed back to back::
     out_cache_loc: the KV slot each new token's K/V is written to
 
 ``req_to_token[req_pool_indices[i], :seq_lens[i]]`` lists request i's KV slots in position order,
-including the new ones (the driver fills them before the forward).
+including the new ones (the driver fills them before the forward). Hybrid models also read and
+update each request's recurrent state in ``state_pool`` at ``state_slots``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from common.kvcache.pool import KVPool
+    from common.kvcache.state_pool import StatePool
 
 
 class ForwardMode(enum.Enum):
@@ -44,6 +46,9 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
+    # Hybrid models: each request's recurrent-state slot ([B] int64) in ``state_pool``.
+    state_pool: "StatePool | None" = None
+    state_slots: torch.Tensor | None = None
     # Set by the attention backend's init_forward_metadata(); opaque to everyone else.
     attn_metadata: Any = None
 

@@ -20,6 +20,7 @@ from common.kvcache.pool import RESERVED_PAGES, KVPool
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
+from common.kvcache.state_pool import StatePool
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,18 @@ class ModelRunner:
         self.kv_pool = KVPool(layout, num_pages, self.device)
         self.req_to_token = ReqToTokenPool(cache_cfg.max_running_requests, row_len, self.device)
         allocator = PageAllocator(num_pages)
-        cache = RadixCache(allocator, page_size, enabled=cache_cfg.enable_prefix_cache)
-        self.memory = KVMemory(allocator, self.req_to_token, cache, page_size)
-        log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d", num_pages, page_size,
-                 self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len)
+        state_layout = self.arch.state_layout(model_cfg.dtype)
+        # One state slot per request row: a request never waits for a slot once it has a row.
+        self.state_pool = None if state_layout is None else StatePool(state_layout, cache_cfg.max_running_requests, self.device)
+        prefix_cache = cache_cfg.enable_prefix_cache and self.state_pool is None
+        if cache_cfg.enable_prefix_cache and not prefix_cache:
+            # A cached prefix has KV pages but not the recurrent state after its last token.
+            log.info("prefix cache off: %s keeps recurrent state, which the cache does not hold", self.arch.architecture)
+        cache = RadixCache(allocator, page_size, enabled=prefix_cache)
+        self.memory = KVMemory(allocator, self.req_to_token, cache, page_size, self.state_pool)
+        log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d%s", num_pages, page_size,
+                 self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len,
+                 "" if self.state_pool is None else f", state {self.state_pool.nbytes() / 2**20:.1f} MiB")
 
     def _num_pages(self, cfg: CacheConfig, bytes_per_page: int) -> int:
         if cfg.max_total_tokens is not None:
@@ -142,6 +151,8 @@ class ModelRunner:
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_lens_cpu=lens,
+            state_pool=self.state_pool,
+            state_slots=None if self.state_pool is None else self.memory.row_state[rows_t],
         )
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:

@@ -3,6 +3,10 @@
 
 Accepts both config spellings seen in the wild: the hub's ``rope_theta`` + ``rope_scaling``
 (``"type"`` or ``"rope_type"``) and transformers 5's ``rope_parameters``.
+
+Hybrid models (LFM2) also say which layers are attention and which are short convolutions
+(``layer_types``): only attention layers have KV pages; each convolution layer keeps a
+per-request recurrent state (``state_layout``) that moves with the KV from prefill to decode.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 import torch
 
 from common.kvcache.pool import KVLayout
+from common.kvcache.state_pool import StateLayout
 
 # Families whose q/k/v projections always carry a bias (no config flag says so).
 _ALWAYS_QKV_BIAS = frozenset({"qwen2"})
@@ -58,6 +63,32 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]  # generation_config's first, then config's; deduplicated
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # Per layer: "full_attention" or "conv" (LFM2's gated short convolution). Empty: all attention.
+    layer_types: tuple[str, ...] = ()
+    conv_kernel: int = 0  # taps of each conv layer (HF's conv_L_cache); also the state's width
+    conv_bias: bool = False
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices that hold KV, in order; KV buffer i belongs to the i-th of them."""
+        return tuple(i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] != "conv")
+
+    @property
+    def conv_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "conv")
+
+    @property
+    def has_state(self) -> bool:
+        """Whether requests carry recurrent state besides their KV (a hybrid model)."""
+        return bool(self.conv_layers)
+
+    def state_layout(self, dtype: str | torch.dtype) -> StateLayout | None:
+        """Per-request state of each conv layer: its last ``conv_kernel`` inputs, [hidden, kernel]
+        (HF's conv cache shape per request, so bytes compare directly). None without conv layers."""
+        if not self.has_state:
+            return None
+        return StateLayout(num_layers=len(self.conv_layers), shape=(self.hidden_size, self.conv_kernel),
+                           dtype=_dtype_name(dtype))
 
     @property
     def q_size(self) -> int:
@@ -69,15 +100,12 @@ class ModelArchConfig:
 
     def kv_layout(self, page_size: int, dtype: str | torch.dtype) -> KVLayout:
         """The KV pool layout for this model: one K and one V buffer per layer."""
-        name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise ValueError(f"unknown KV dtype {dtype!r}")
         return KVLayout(
-            num_layers=self.num_layers,
+            num_layers=len(self.attention_layers),
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             page_size=page_size,
-            dtype=name,
+            dtype=_dtype_name(dtype),
         )
 
     # -- parsing ---------------------------------------------------------------------------
@@ -114,6 +142,8 @@ class ModelArchConfig:
         if cfg.get("use_sliding_window"):
             raise ModelLoadError("use_sliding_window=true is not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
+        if model_type == "lfm2":
+            return cls(**_lfm2_fields(cfg, archs, hidden, num_heads, num_kv_heads, head_dim, gen or {}))
         return cls(
             architecture=str(archs[0]),
             model_type=model_type,
@@ -137,6 +167,57 @@ class ModelArchConfig:
             bos_token_id=_opt_int(cfg.get("bos_token_id")),
             pad_token_id=_opt_int(cfg.get("pad_token_id")),
         )
+
+
+def lfm2_intermediate_size(cfg: dict[str, Any]) -> int:
+    """LFM2's MLP width: the configured size, or with ``block_auto_adjust_ff_dim`` two thirds of
+    it, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of`` (as HF sizes w1)."""
+    size = int(cfg.get("block_ff_dim") or cfg.get("intermediate_size") or 0)
+    if size <= 0:
+        raise ModelLoadError("config needs a positive intermediate_size (or block_ff_dim)")
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        mult = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            multiple = int(cfg.get("block_multiple_of", 256))
+            size = int(float(mult) * size)
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+def _lfm2_fields(cfg: dict[str, Any], archs: list[Any], hidden: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, gen: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's spelling: norm_eps, block_* MLP sizing, tied embeddings by default, q/k layernorm,
+    no biases except optionally on the conv layers, ``layer_types`` or ``full_attn_idxs``."""
+    n = _req_int(cfg, "num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None:
+        attn = cfg.get("full_attn_idxs")
+        attn = set(range(n)) if attn is None else {int(i) for i in attn}
+        types = ["full_attention" if i in attn else "conv" for i in range(n)]
+    if len(types) != n or any(t not in ("full_attention", "conv") for t in types):
+        raise ModelLoadError(f"layer_types must list 'full_attention' or 'conv' for each of {n} layers, got {types!r}")
+    kernel = int(cfg.get("conv_L_cache", 3))
+    if kernel < 1:
+        raise ModelLoadError(f"conv_L_cache must be >= 1, got {kernel}")
+    tie = cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))
+    return dict(
+        architecture=str(archs[0]), model_type="lfm2", num_layers=n, hidden_size=hidden,
+        intermediate_size=lfm2_intermediate_size(cfg), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, vocab_size=_req_int(cfg, "vocab_size"),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+        rms_norm_eps=float(cfg.get("norm_eps", 1e-5)), rope=parse_rope(cfg), tie_word_embeddings=bool(tie),
+        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, eos_token_ids=_eos_ids(gen, cfg),
+        bos_token_id=_opt_int(cfg.get("bos_token_id")), pad_token_id=_opt_int(cfg.get("pad_token_id")),
+        layer_types=tuple(types), conv_kernel=kernel, conv_bias=bool(cfg.get("conv_bias", False)),
+    )
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"unknown KV dtype {dtype!r}")
+    return name
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

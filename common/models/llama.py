@@ -24,14 +24,14 @@ from common.models.arch import ModelArchConfig
 from common.models.rope import RotaryEmbedding, apply_rope
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param(dim, dtype=dtype)
+        self.weight = empty_param(dim, dtype=dtype)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +48,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = _param(qkv_out, arch.hidden_size, dtype=dtype)
-        self.qkv_bias = _param(qkv_out, dtype=dtype) if arch.qkv_bias else None
-        self.o_proj = _param(arch.hidden_size, self.q_size, dtype=dtype)
-        self.o_bias = _param(arch.hidden_size, dtype=dtype) if arch.o_bias else None
+        self.qkv_proj = empty_param(qkv_out, arch.hidden_size, dtype=dtype)
+        self.qkv_bias = empty_param(qkv_out, dtype=dtype) if arch.qkv_bias else None
+        self.o_proj = empty_param(arch.hidden_size, self.q_size, dtype=dtype)
+        self.o_bias = empty_param(arch.hidden_size, dtype=dtype) if arch.o_bias else None
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.spec = AttentionLayerSpec(
@@ -79,10 +79,10 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.inter = arch.intermediate_size
-        self.gate_up_proj = _param(2 * self.inter, arch.hidden_size, dtype=dtype)
-        self.gate_up_bias = _param(2 * self.inter, dtype=dtype) if arch.mlp_bias else None
-        self.down_proj = _param(arch.hidden_size, self.inter, dtype=dtype)
-        self.down_bias = _param(arch.hidden_size, dtype=dtype) if arch.mlp_bias else None
+        self.gate_up_proj = empty_param(2 * self.inter, arch.hidden_size, dtype=dtype)
+        self.gate_up_bias = empty_param(2 * self.inter, dtype=dtype) if arch.mlp_bias else None
+        self.down_proj = empty_param(arch.hidden_size, self.inter, dtype=dtype)
+        self.down_bias = empty_param(arch.hidden_size, dtype=dtype) if arch.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).split(self.inter, dim=-1)  # [T, I] each
@@ -107,10 +107,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
-        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, backend, dtype) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.lm_head = None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
 
     @torch.inference_mode()

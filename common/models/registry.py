@@ -4,12 +4,14 @@ from __future__ import annotations
 from torch import nn
 
 from common.models.arch import ModelLoadError
+from common.models.lfm2 import Lfm2ForCausalLM
 from common.models.llama import LlamaFamilyForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 

@@ -2,7 +2,7 @@
 
 Output directory::
 
-    config.json              Qwen3ForCausalLM | LlamaForCausalLM | Qwen2ForCausalLM, hub-style keys
+    config.json              Qwen3ForCausalLM | LlamaForCausalLM | Qwen2ForCausalLM | Lfm2ForCausalLM
     generation_config.json   eos_token_id is a LIST (<|im_end|>, <|endoftext|>) to exercise multi-EOS
     model.safetensors        float32 random weights, deterministic for a seed
     tokenizer.json           byte-level BPE trained here on built-in text (round-trips any UTF-8)
@@ -14,6 +14,8 @@ The variants differ on purpose so that code deriving a value from the wrong fiel
     qwen3   2       4/2       32 (!= 64/4)      ~1000  tied        q/k RMSNorm per head
     llama   3       4/2       absent (64/4=16)  ~512   untied      llama3 rope scaling
     qwen2   2       4/2       absent (64/4=16)  ~768   tied        q/k/v bias
+    lfm2    5       4/2       absent (64/4=16)  ~1000  tied        hybrid: 3 short-conv layers
+                                                                   (recurrent state) + 2 attention
 
 Weight scales are chosen so greedy decoding has clear winners (logit std ~8, so the top-2 gap
 is rarely a near-tie) and context matters (attention scores of a few units, branch outputs
@@ -32,6 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from common.models.arch import lfm2_intermediate_size
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -107,6 +111,25 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": 2,
+    },
+    # LFM2 (Liquid AI): gated short-convolution layers mixed with attention. Hub spelling: norm_eps,
+    # rope_parameters, block_* MLP sizing (auto-adjusted: int(2 * 160 / 3) = 106, rounded up to a
+    # multiple of 32 = 128), layer_types in an uneven order so a layer-index mix-up shows.
+    "lfm2": {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "num_hidden_layers": 5,
+        "layer_types": ["conv", "full_attention", "conv", "conv", "full_attention"],
+        "vocab_size": 1000,
+        "intermediate_size": 160,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 32,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": True,
     },
 }
 
@@ -257,6 +280,8 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         return 1.0 + randn(n, scale=0.1)
 
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, hidden, scale=std["embed"])}
+    if model_type == "lfm2":
+        return _lfm2_weights(cfg, w, randn, norm, std)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(hidden)
@@ -285,6 +310,34 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     w["model.norm.weight"] = norm(hidden)
     if not cfg.get("tie_word_embeddings", False):
         w["lm_head.weight"] = randn(vocab, hidden, scale=std["lm_head"])
+    return w
+
+
+def _lfm2_weights(cfg: dict[str, Any], w: dict[str, torch.Tensor], randn: Any, norm: Any, std: dict[str, float]) -> dict[str, torch.Tensor]:
+    """LFM2's names. A conv layer: in_proj -> (B, C, x); y = C * conv(B * x) -> out_proj. With
+    in_proj entries ~1 and a conv tap std of 1/sqrt(3), y is ~1 like an attention output."""
+    hidden, n_heads, n_kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, width = hidden // n_heads, cfg["conv_L_cache"]
+    inter = lfm2_intermediate_size(cfg)
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        w[p + "operator_norm.weight"] = norm(hidden)
+        w[p + "ffn_norm.weight"] = norm(hidden)
+        if kind == "conv":
+            w[p + "conv.in_proj.weight"] = randn(3 * hidden, hidden, scale=1.0 / hidden**0.5)
+            w[p + "conv.conv.weight"] = randn(hidden, 1, width, scale=1.0 / width**0.5)
+            w[p + "conv.out_proj.weight"] = randn(hidden, hidden, scale=std["o"])
+        else:
+            w[p + "self_attn.q_proj.weight"] = randn(n_heads * head_dim, hidden, scale=std["qk"])
+            w[p + "self_attn.k_proj.weight"] = randn(n_kv * head_dim, hidden, scale=std["qk"])
+            w[p + "self_attn.v_proj.weight"] = randn(n_kv * head_dim, hidden, scale=std["v"])
+            w[p + "self_attn.out_proj.weight"] = randn(hidden, n_heads * head_dim, scale=std["o"])
+            w[p + "self_attn.q_layernorm.weight"] = 1.5 + randn(head_dim, scale=0.1)
+            w[p + "self_attn.k_layernorm.weight"] = 1.5 + randn(head_dim, scale=0.1)
+        w[p + "feed_forward.w1.weight"] = randn(inter, hidden, scale=std["gate_up"])
+        w[p + "feed_forward.w3.weight"] = randn(inter, hidden, scale=std["gate_up"])
+        w[p + "feed_forward.w2.weight"] = randn(hidden, inter, scale=BRANCH_GAIN / inter**0.5)
+    w["model.embedding_norm.weight"] = norm(hidden)  # LFM2's final norm, despite its name
     return w
 
 

@@ -111,6 +111,46 @@ def test_arch_config_of_tiny_models(tiny_qwen3: str, tiny_llama: str) -> None:
     assert layout.bytes_per_token_per_layer == 2 * 16 * 2
 
 
+def test_arch_config_of_the_hybrid_model(tiny_lfm2: str) -> None:
+    from tests.reference import hf_model
+
+    a = ModelArchConfig.from_model_dir(tiny_lfm2)
+    hf = hf_model(tiny_lfm2)
+    assert a.layer_types == tuple(hf.config.layer_types)
+    assert (a.attention_layers, a.conv_layers, a.conv_kernel) == ((1, 4), (0, 2, 3), 3)
+    # the MLP width HF derives (two thirds of 160, rounded up to a multiple of 32)
+    assert a.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == 128
+    assert a.rms_norm_eps == hf.config.norm_eps and a.qk_norm and a.tie_word_embeddings
+    assert a.kv_layout(16, "float32").num_layers == 2, "only attention layers have KV"
+    state = a.state_layout(torch.bfloat16)
+    assert state is not None and (state.num_layers, state.shape, state.dtype) == (3, (64, 3), "bfloat16")
+    assert a.has_state
+
+
+@pytest.mark.parametrize(("changes", "want"), [
+    ({"layer_types": None, "full_attn_idxs": [0, 3]}, ("full_attention", "conv", "conv", "full_attention", "conv")),
+    ({"layer_types": None}, ("full_attention",) * 5),  # HF's default: every layer attends
+])
+def test_lfm2_layer_types_from_full_attn_idxs(tiny_lfm2: str, changes: dict, want: tuple) -> None:
+    with open(os.path.join(tiny_lfm2, "config.json")) as f:
+        cfg = {**json.load(f), **changes}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    a = ModelArchConfig.from_hf(cfg)
+    assert a.layer_types == want and a.has_state == ("conv" in want)
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"layer_types": ["conv"] * 4}, "layer_types"),
+    ({"layer_types": ["conv", "mamba", "conv", "conv", "full_attention"]}, "layer_types"),
+    ({"conv_L_cache": 0}, "conv_L_cache"),
+])
+def test_lfm2_bad_config_is_refused(tiny_lfm2: str, changes: dict, match: str) -> None:
+    with open(os.path.join(tiny_lfm2, "config.json")) as f:
+        cfg = {**json.load(f), **changes}
+    with pytest.raises(ModelLoadError, match=match):
+        ModelArchConfig.from_hf(cfg)
+
+
 def test_rope_spellings_agree() -> None:
     base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
             "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10}

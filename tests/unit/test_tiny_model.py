@@ -121,8 +121,10 @@ def test_chat_template_renders_chatml(tiny_qwen3: str) -> None:
     assert no_prompt == text.removesuffix("<|im_start|>assistant\n")
 
 
-def test_greedy_has_clear_winners_and_does_not_collapse(tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_has_clear_winners_and_does_not_collapse(tiny_model_factory: Callable[..., str], arch: str) -> None:
     """Weights are scaled so greedy decoding is a usable oracle: no near-ties, no stuck token."""
+    tiny_model_dir = tiny_model_factory(arch)
     tok = _auto_tokenizer(tiny_model_dir)
     gaps: list[float] = []
     for prompt in ("Hello world", "中文 😀", "def forward(self):"):

@@ -1,0 +1,155 @@
+"""LFM2 (Liquid AI): a hybrid of gated short convolutions and attention, with recurrent state.
+
+    tokens -> embed -> L x [ RMSNorm -> (attention | short conv) -> +res -> RMSNorm -> SwiGLU -> +res ]
+           -> RMSNorm (``embedding_norm``, last new token of each request) -> hidden [B, H]
+
+Attention layers are the Llama family's (q/k per-head RMSNorm, like Qwen3) and keep KV in the
+paged pool; attention layer i (counting attention layers only) owns KV buffer i. A short-conv
+layer computes, per token t of a request::
+
+    B, C, x = in_proj(h_t).chunk(3)           each [H]
+    u_t = B * x                                the convolution's input
+    y_t = C * sum_k w[:, k] * u_{t-K+1+k}      depthwise causal conv over the last K inputs
+    out = out_proj(y_t)
+
+so a request's state in that layer is its last K inputs ``u`` ([H, K], zeros before the first
+token: HF's conv cache). It lives in the request's ``StatePool`` slot: chunked prefill reads it
+and writes it back chunk after chunk, decode shifts one new column in per step, and the prefill
+node sends the final one to the decode node with the last chunk's KV.
+
+Why LFM2 for our first hybrid: transformers implements it in plain torch, its state is small and
+fixed per layer (no selective-scan kernel to write), and its attention layers reuse ours.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.attention.base import AttentionBackend
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.models.arch import ModelArchConfig
+from common.models.llama import MLP, Attention, RMSNorm, empty_param
+from common.models.rope import RotaryEmbedding
+
+
+class ShortConv(nn.Module):
+    def __init__(self, arch: ModelArchConfig, state_layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, k = arch.hidden_size, arch.conv_kernel
+        self.hidden, self.kernel, self.state_layer = h, k, state_layer
+        self.in_proj = empty_param(3 * h, h, dtype=dtype)
+        self.in_bias = empty_param(3 * h, dtype=dtype) if arch.conv_bias else None
+        self.conv_weight = empty_param(h, 1, k, dtype=dtype)  # depthwise: one K-tap filter per channel
+        self.conv_bias = empty_param(h, dtype=dtype) if arch.conv_bias else None
+        self.out_proj = empty_param(h, h, dtype=dtype)
+        self.out_bias = empty_param(h, dtype=dtype) if arch.conv_bias else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert batch.state_pool is not None and batch.state_slots is not None
+        b, c, u = F.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)  # [T, H] each
+        u = b * u  # [T, H]
+        state = batch.state_pool.buffers[self.state_layer]  # [slots, H, K]
+        if batch.mode is ForwardMode.DECODE:
+            slots = batch.state_slots  # [B]
+            window = torch.cat([state[slots], u.unsqueeze(-1)], dim=-1)  # [B, H, K+1]
+            state[slots] = window[..., 1:]
+            conv = self._conv(window)[..., -1]  # [B, H]
+        else:
+            parts = []
+            start = 0
+            for slot, n in zip(batch.state_slots.tolist(), batch.extend_lens_cpu):
+                window = torch.cat([state[slot], u[start : start + n].T], dim=-1)  # [H, K+n]
+                state[slot] = window[:, -self.kernel :]
+                parts.append(self._conv(window.unsqueeze(0))[0, :, -n:].T)  # [n, H]
+                start += n
+            conv = torch.cat(parts)  # [T, H]
+        return F.linear(c * conv, self.out_proj, self.out_bias)  # [T, H]
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        """[N, H, K+n] -> [N, H, n+1]: each output sees K consecutive inputs (no padding: the
+        state columns are the left context)."""
+        return F.conv1d(window, self.conv_weight, self.conv_bias, groups=self.hidden)
+
+
+class Lfm2Layer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.operator_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.feed_forward = MLP(arch, dtype)
+        self.self_attn: Attention | None = None
+        self.conv: ShortConv | None = None
+        if layer_id in arch.conv_layers:
+            self.conv = ShortConv(arch, arch.conv_layers.index(layer_id), dtype)
+        else:
+            self.self_attn = Attention(arch, arch.attention_layers.index(layer_id), backend, dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.operator_norm(h)
+        h = h + (self.conv(x, batch) if self.conv is not None else self.self_attn(x, cos, sin, batch))  # type: ignore[misc]
+        return h + self.feed_forward(self.ffn_norm(h))  # [T, H]
+
+
+class Lfm2ForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Lfm2Layer(arch, i, backend, dtype) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden state of each request's last new token, after the final norm. [B, H]"""
+        h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)  # [T, 1, head_dim] each
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch)
+        return self.norm(h[batch.last_token_indices()])  # [B, H]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()  # [B, vocab]
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """HF names -> views of our parameters (q/k/v and w1/w3 fused as in the Llama family)."""
+        a = self.arch
+        q, kv, inter = a.q_size, a.kv_size, a.intermediate_size
+        t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.data,
+                                      "model.embedding_norm.weight": self.norm.weight.data}
+        if self.lm_head is not None:
+            t["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            t[p + "operator_norm.weight"] = layer.operator_norm.weight.data
+            t[p + "ffn_norm.weight"] = layer.ffn_norm.weight.data
+            ff = layer.feed_forward
+            t[p + "feed_forward.w1.weight"] = ff.gate_up_proj.data[:inter]
+            t[p + "feed_forward.w3.weight"] = ff.gate_up_proj.data[inter:]
+            t[p + "feed_forward.w2.weight"] = ff.down_proj.data
+            if layer.conv is not None:
+                conv = layer.conv
+                t[p + "conv.in_proj.weight"] = conv.in_proj.data
+                t[p + "conv.conv.weight"] = conv.conv_weight.data
+                t[p + "conv.out_proj.weight"] = conv.out_proj.data
+                for name, bias in (("in_proj", conv.in_bias), ("conv", conv.conv_bias), ("out_proj", conv.out_bias)):
+                    if bias is not None:
+                        t[p + f"conv.{name}.bias"] = bias.data
+            else:
+                attn = layer.self_attn
+                assert attn is not None and attn.q_norm is not None and attn.k_norm is not None
+                t[p + "self_attn.q_proj.weight"] = attn.qkv_proj.data[:q]
+                t[p + "self_attn.k_proj.weight"] = attn.qkv_proj.data[q : q + kv]
+                t[p + "self_attn.v_proj.weight"] = attn.qkv_proj.data[q + kv :]
+                t[p + "self_attn.out_proj.weight"] = attn.o_proj.data
+                t[p + "self_attn.q_layernorm.weight"] = attn.q_norm.weight.data
+                t[p + "self_attn.k_layernorm.weight"] = attn.k_norm.weight.data
+        return t
+
+    def ignorable_checkpoint_tensor(self, name: str) -> bool:
+        return name == "lm_head.weight" and self.lm_head is None
