@@ -10,6 +10,11 @@ receive from fails at lookup time with a message naming the fields, instead of h
 KV pool rows ``[num_pages * page_size, num_kv_heads, head_dim]``. ``num_layers`` is the number of
 layers in the model; pipeline stages split them the same way on both sides, which is why
 ``check_receivable`` requires equal ``pp_size``.
+
+Hybrid models also move per-request recurrent state: ``state_shapes`` lists the shape of one
+request's state in each state buffer (one per convolution layer) and ``state_dtype`` its dtype;
+both empty/None for attention-only models. A decode receives the state bytes as they are, so
+both must be equal too.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ Size = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
 KVDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+StateShape = Annotated[tuple[Dim, ...], msgspec.Meta(min_length=1, max_length=8)]
+StateShapes = Annotated[tuple[StateShape, ...], msgspec.Meta(max_length=1024)]
 
 # Fields every rank of one prefill node must agree on, and that a decode must match.
 LAYOUT_FIELDS: tuple[str, ...] = (
@@ -40,6 +47,8 @@ LAYOUT_FIELDS: tuple[str, ...] = (
     "num_kv_heads",
     "head_dim",
     "transfer_backend",
+    "state_shapes",
+    "state_dtype",
 )
 
 # RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
@@ -84,6 +93,8 @@ class RankInfo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     num_kv_heads: Dim  # per rank, after TP sharding
     head_dim: Dim
     transfer_backend: Name | None = None  # "mooncake", "fake", ...; None: not checked
+    state_shapes: StateShapes = ()  # per state buffer: one request's state shape (hybrid models)
+    state_dtype: KVDtype | None = None
     session_id: Name | None = None
     instance_id: Name | None = None
 
@@ -97,6 +108,8 @@ class RankInfo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
             raise ValueError(f"pp_rank {self.pp_rank} must be < pp_size {self.pp_size}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size {self.page_size} must be a power of two")
+        if bool(self.state_shapes) != (self.state_dtype is not None):
+            raise ValueError("state_shapes and state_dtype come together (a hybrid model) or not at all")
         _check_rank_ip(self.rank_ip)
 
     @property
@@ -125,6 +138,8 @@ class PrefillLayout(msgspec.Struct, kw_only=True, frozen=True):
     num_kv_heads: int
     head_dim: int
     transfer_backend: str | None = None
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtype: str | None = None
     registered_ranks: int = 0
 
     @property
@@ -156,6 +171,17 @@ class _KVLayoutLike(Protocol):
     def dtype(self) -> str: ...
 
 
+class _StateLayoutLike(Protocol):
+    """Structural view of ``common.kvcache.state_pool.StateLayout``."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+
+
 class DecodeLayout(msgspec.Struct, kw_only=True, frozen=True):
     """What a decode rank can receive: its parallel layout and its KV pool layout."""
 
@@ -167,10 +193,13 @@ class DecodeLayout(msgspec.Struct, kw_only=True, frozen=True):
     num_kv_heads: int  # per rank, after TP sharding
     head_dim: int
     transfer_backend: str | None = None
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtype: str | None = None
 
     @classmethod
     def from_kv_layout(
-        cls, layout: _KVLayoutLike, *, tp_size: int, pp_size: int = 1, transfer_backend: str | None = None
+        cls, layout: _KVLayoutLike, *, tp_size: int, pp_size: int = 1, transfer_backend: str | None = None,
+        state: _StateLayoutLike | None = None,
     ) -> DecodeLayout:
         return cls(
             tp_size=tp_size,
@@ -181,7 +210,14 @@ class DecodeLayout(msgspec.Struct, kw_only=True, frozen=True):
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
             transfer_backend=transfer_backend,
+            state_shapes=state_shapes(state),
+            state_dtype=None if state is None else state.dtype,
         )
+
+
+def state_shapes(state: _StateLayoutLike | None) -> tuple[tuple[int, ...], ...]:
+    """The wire form of a state layout: one item shape per state buffer."""
+    return () if state is None else (tuple(state.shape),) * state.num_layers
 
 
 def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
@@ -190,7 +226,7 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
     Supported mapping: equal TP sizes (decode rank r receives from prefill rank r of the chosen
     dp group; any prefill ``dp_size`` works since one dp group serves a request) and equal PP
     sizes. Pages are copied byte for byte, so page size, dtype, layer count and the per-rank
-    ``num_kv_heads x head_dim`` row shape must all be equal. Backends must be equal when both
+    ``num_kv_heads x head_dim`` row shape must all be equal, and so must the state layout. Backends must be equal when both
     sides name one.
     """
     problems: list[str] = []
@@ -214,7 +250,17 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
             f"{prefill.num_kv_heads}x{prefill.head_dim}",
             f"{decode.num_kv_heads}x{decode.head_dim}",
         )
+    if tuple(map(tuple, prefill.state_shapes)) != tuple(map(tuple, decode.state_shapes)):
+        differ("state_shapes (per-request recurrent state)", _shapes(prefill.state_shapes), _shapes(decode.state_shapes))
+    if prefill.state_dtype != decode.state_dtype:
+        differ("state_dtype", prefill.state_dtype, decode.state_dtype)
     if None not in (prefill.transfer_backend, decode.transfer_backend) and prefill.transfer_backend != decode.transfer_backend:
         differ("transfer_backend", prefill.transfer_backend, decode.transfer_backend)
     if problems:
         raise LayoutMismatch("decode cannot receive this prefill's KV cache: " + "; ".join(problems))
+
+
+def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    if not shapes:
+        return "none"
+    return ", ".join("x".join(map(str, sh)) for sh in shapes)

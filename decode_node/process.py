@@ -70,7 +70,9 @@ class DecodeProcess:
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.aux = AuxPool(rows, top_k=opts.aux_top_k)
         host = advertise_host(cfg.server.host)
+        states = self.runner.state_pool  # hybrid models: per-request recurrent state, sent with the KV
         args = KVArgs(layout=self.runner.kv_pool.layout, kv=KVArgs.kv_from_pool(self.runner.kv_pool),
+                      state=KVArgs.state_from_pool(states), state_layout=None if states is None else states.layout,
                       aux=self.aux.buffers(), aux_top_k=opts.aux_top_k, host=host)
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
                                        device=envs.MOONCAKE_DEVICE.get())

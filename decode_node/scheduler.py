@@ -148,11 +148,12 @@ class DecodeScheduler(DecodeQueues):
             r.stage = Stage.TRANSFER
             self.transfer.append(r)
             assert r.kv is not None and r.receiver is not None
-            r.receiver.init(r.kv.pages, r.aux_slot)
+            state = [r.kv.state_slot] if r.kv.state_slot is not None else []
+            r.receiver.init(r.kv.pages, r.aux_slot, state)
             r.clock.lap("prealloc")
 
     def _reserve_room(self, r: DecodeReq) -> bool:
-        """Row + prompt pages + aux slot, all or nothing."""
+        """Row (with a state slot, for hybrid models) + prompt pages + aux slot, all or nothing."""
         kv = self.memory.admit((), use_cache=False)
         if kv is None:
             return False

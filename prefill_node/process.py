@@ -64,7 +64,9 @@ class PrefillProcess:
         # only gives the layout (row size) that the decode's aux rows must match.
         aux_layout = AuxPool(1, top_k=opts.aux_top_k)
         host = advertise_host(cfg.server.host)
+        states = self.runner.state_pool  # hybrid models: per-request recurrent state, sent with the KV
         args = KVArgs(layout=self.runner.kv_pool.layout, kv=KVArgs.kv_from_pool(self.runner.kv_pool),
+                      state=KVArgs.state_from_pool(states), state_layout=None if states is None else states.layout,
                       aux=aux_layout.buffers(), aux_top_k=opts.aux_top_k, host=host)
         self._aux_layout = aux_layout  # registered memory: keep it alive as long as the manager
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),

@@ -322,7 +322,9 @@ class PrefillScheduler(PrefillQueues):
             return True
         aux = aux_record(req, req.first, self.cfg.aux_top_k) if last and req.first is not None else None
         try:
-            req.sender.send(pages, last, aux)
+            # A hybrid model's recurrent state is final only after the last chunk; it goes with it.
+            state = [req.kv.state_slot] if last and req.kv.state_slot is not None else []
+            req.sender.send(pages, last, aux, state)
         except Exception as exc:  # TransferError, or a bug: either way only this request fails
             if not isinstance(exc, TransferError):
                 log.exception("%s: KV send raised", req.name())

@@ -84,7 +84,8 @@ class DecodeKVManager(DecodeLiveness):
         self.args, self.engine, self.config = args, engine, config
         self._bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self.instance_id = uuid.uuid4().hex
-        self._decode_layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name)
+        self._decode_layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name,
+                                                          state=args.state_layout)
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._fenced = FencedRooms()

@@ -1,7 +1,7 @@
 """Between local plain data and the wire: registry records, KV-args messages, checks on a peer's data."""
 from __future__ import annotations
 
-from bootstrap_server.schema import RankInfo
+from bootstrap_server.schema import RankInfo, state_shapes
 
 from transfer import messages as m
 from transfer.args import KVArgs
@@ -27,6 +27,8 @@ def rank_info(args: KVArgs, port: int, instance_id: str, engine: DataPlane) -> R
         dp_group=args.dp_rank, pp_size=1, pp_rank=0, page_size=lay.page_size, kv_dtype=lay.dtype,  # type: ignore[arg-type]
         num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
         transfer_backend=engine.name, session_id=engine.session_id, instance_id=instance_id,
+        state_shapes=state_shapes(args.state_layout),
+        state_dtype=None if args.state_layout is None else args.state_layout.dtype,  # type: ignore[arg-type]
     )
 
 

@@ -82,6 +82,10 @@ def test_ipv6_endpoint_is_bracketed() -> None:
         ({"rank_ip": "bad host!"}, "rank_ip"),
         ({"role": "decode"}, "role"),
         ({"tp_rank": 1}, "tp_rank"),  # unknown field: a typo must not vanish silently
+        ({"state_shapes": [[64, 3]]}, "state_dtype"),  # a state layout needs both halves
+        ({"state_dtype": "float32"}, "state_dtype"),
+        ({"state_shapes": [[64, 0]], "state_dtype": "float32"}, "state_shapes"),
+        ({"state_shapes": [[]], "state_dtype": "float32"}, "state_shapes"),
     ],
 )
 def test_invalid_body_is_rejected_naming_the_field(changes: dict[str, Any], field: str) -> None:
@@ -120,6 +124,7 @@ def test_matching_layouts_are_receivable() -> None:
         ({"num_layers": 3}, "num_layers"),
         ({"num_kv_heads": 1, "head_dim": 128}, "num_kv_heads x head_dim"),  # same bytes, different rows
         ({"transfer_backend": "mooncake"}, "transfer_backend"),
+        ({"state_shapes": ((64, 3),), "state_dtype": "bfloat16"}, "state_shapes"),  # hybrid decode, plain prefill
     ],
 )
 def test_mismatch_names_the_field(decode_changes: dict[str, Any], named: str) -> None:
@@ -198,3 +203,25 @@ def test_registry_clear_and_order() -> None:
     layout = reg.layout()
     assert layout is not None and layout.complete
     assert reg.clear() == 4 and reg.ranks() == []
+
+
+def test_state_layout_travels_and_is_compared() -> None:
+    """A hybrid prefill registers its state layout; the decode compares shapes and dtype."""
+    from common.kvcache.pool import KVLayout
+    from common.kvcache.state_pool import StateLayout
+
+    hybrid = info(state_shapes=[[64, 3], [64, 3]], state_dtype="bfloat16")
+    assert decode(json.loads(msgspec.json.encode(hybrid))) == hybrid
+    layout = PrefillLayout.of(hybrid, registered_ranks=4)
+    kv = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype="bfloat16")
+    same = DecodeLayout.from_kv_layout(kv, tp_size=2, state=StateLayout(num_layers=2, shape=(64, 3), dtype="bfloat16"))
+    check_receivable(layout, same)
+    for other, named in [(StateLayout(2, (64, 4), "bfloat16"), "64x3, 64x3, decode 64x4, 64x4"),
+                         (StateLayout(3, (64, 3), "bfloat16"), "state_shapes"),
+                         (StateLayout(2, (64, 3), "float32"), "state_dtype")]:
+        with pytest.raises(LayoutMismatch, match=named):
+            check_receivable(layout, msgspec.structs.replace(same, state_shapes=((tuple(other.shape),) * other.num_layers),
+                                                             state_dtype=other.dtype))
+    with pytest.raises(LayoutMismatch, match="prefill none"):
+        check_receivable(prefill_layout(), msgspec.structs.replace(decode_layout(), state_shapes=((64, 3),),
+                                                                  state_dtype="bfloat16"))

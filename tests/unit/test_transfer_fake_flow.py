@@ -347,3 +347,45 @@ def test_many_rooms_with_random_aborts_all_settle(cluster: Cluster) -> None:
         else:
             assert (s, d) == (KVPoll.Failed, KVPoll.Failed), (r, plan[r])
     wait_for(lambda: pm.num_rooms() == 0 and dm.num_rooms() == 0)
+
+
+def state_side(num_slots: int = 4, width: int = 3):  # type: ignore[no-untyped-def]
+    """A side with two state buffers (conv layers) of [6, width] float32 items besides its KV."""
+    from common.kvcache.state_pool import StateLayout, StatePool
+    from transfer.args import KVArgs
+
+    side = make_side()
+    states = StatePool(StateLayout(num_layers=2, shape=(6, width), dtype="float32"), num_slots, "cpu")
+    side.args = KVArgs(layout=side.args.layout, kv=side.args.kv, aux=side.args.aux, aux_top_k=side.args.aux_top_k,
+                       state=KVArgs.state_from_pool(states), state_layout=states.layout)
+    return side, states
+
+
+def test_state_slots_travel_with_the_last_chunk(cluster: Cluster) -> None:
+    (p, _), (d, _) = state_side(), state_side()
+    pm, p = cluster.prefill(p)
+    dm, _ = cluster.decode(d)
+    sender = pm.create_sender(11)
+    recv = dm.create_receiver(11, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init([5, 6], 0, [3])
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.send([1], last_chunk=False)  # an intermediate chunk carries no state
+    sender.send([2], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0), state_indices=[1])
+    assert until_terminal(sender)[0] is KVPoll.Success and until_terminal(recv)[0] is KVPoll.Success
+    # two KV chunks of one page each, the aux row, then one descriptor per state buffer (slot 1 -> 3)
+    assert p.engine.descriptors == 2 * LAYOUT.num_layers * 2 + 1 + 2
+    item = 6 * 3 * 4
+    assert p.engine.bytes == 2 * LAYOUT.num_layers * 2 * LAYOUT.bytes_per_page_per_layer + p.args.aux.item_nbytes[0] + 2 * item
+
+
+def test_a_decode_with_another_state_layout_fails_at_lookup(cluster: Cluster) -> None:
+    pm, _ = cluster.prefill(state_side(width=3)[0])
+    dm, _ = cluster.decode(state_side(width=4)[0])
+    pm.create_sender(12)
+    recv = dm.create_receiver(12, ADDR)
+    assert until_terminal(recv)[0] is KVPoll.Failed
+    assert "state_shapes" in (recv.failure_reason or ""), recv.failure_reason
+    plain, _ = cluster.decode()  # an attention-only decode cannot take a hybrid prefill's rooms either
+    recv = plain.create_receiver(13, ADDR)
+    assert until_terminal(recv)[0] is KVPoll.Failed and "state" in (recv.failure_reason or "")
