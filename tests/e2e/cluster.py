@@ -112,12 +112,14 @@ def memory(url: str, headers: dict[str, str] | None = None) -> dict:
 
 
 def is_idle(mem: dict) -> bool:
-    """Nothing held: pages free or merely cached (unlocked), every row and aux slot back, no room."""
+    """Nothing held: pages free or merely cached (unlocked), every row, aux and state slot back, no room."""
     ok = (mem["free_pages"] + mem.get("evictable_pages", 0) == mem["total_pages"]
           and mem.get("locked_pages", 0) == 0 and mem["free_req_slots"] == mem["total_req_slots"]
           and mem.get("transfer_rooms", 0) == 0 and mem.get("integrity", "ok") == "ok")
     if "aux_total_slots" in mem:
         ok = ok and mem["aux_free_slots"] == mem["aux_total_slots"]
+    if "total_state_slots" in mem:  # hybrid models
+        ok = ok and mem["free_state_slots"] == mem["total_state_slots"]
     return ok
 
 

@@ -26,6 +26,7 @@ import torch
 
 from common.kvcache.allocator import PageAllocator
 from common.kvcache.pool import KVLayout, KVPool
+from common.kvcache.state_pool import StateLayout, StatePool
 from transfer import AuxPool, AuxRecord, KVArgs, KVManagerConfig, KVPoll, create_data_plane
 from transfer.aux import AUX_TOP_K  # the aux row layout both nodes use
 from transfer.bootstrap import HttpBootstrapClient
@@ -102,6 +103,7 @@ class Room:
     receiver: DecodeKVReceiver
     pages: list[int] = field(default_factory=list)
     aux_slot: int | None = None
+    state_slot: int | None = None  # hybrid models: where the prefill writes the recurrent state
     state: KVPoll = KVPoll.Bootstrapping
     reason: str | None = None
 
@@ -110,12 +112,14 @@ class DecodePeer:
     """A decode node's KV receiving side with registered torch buffers (no model, no scheduler)."""
 
     def __init__(self, layout: KVLayout, num_pages: int = 512, backend: str = "mooncake",
-                 config: KVManagerConfig | None = None) -> None:
+                 config: KVManagerConfig | None = None, state: StateLayout | None = None) -> None:
         self.layout = layout
         self.pool = KVPool(layout, num_pages, "cpu")
         self.aux = AuxPool(16, top_k=AUX_TOP_K)
+        self.states = None if state is None else StatePool(state, 16, "cpu")
         self.allocator = PageAllocator(num_pages)
-        args = KVArgs(layout=layout, kv=KVArgs.kv_from_pool(self.pool), aux=self.aux.buffers(), aux_top_k=AUX_TOP_K)
+        args = KVArgs(layout=layout, kv=KVArgs.kv_from_pool(self.pool), aux=self.aux.buffers(), aux_top_k=AUX_TOP_K,
+                      state=KVArgs.state_from_pool(self.states), state_layout=state)
         engine = create_data_plane(backend, host="127.0.0.1", transfer_timeout_s=2.0)
         self.mgr = DecodeKVManager(args, engine, HttpBootstrapClient(timeout_s=2.0, lookup_timeout_s=5.0),
                                    config or KVManagerConfig(tick_s=0.02))
@@ -141,7 +145,10 @@ class DecodePeer:
         slot = self.aux.alloc()
         assert pages is not None and slot is not None, "decode peer out of pages or aux slots"
         r.pages, r.aux_slot = pages, slot
-        r.receiver.init(pages, slot)
+        if self.states is not None:
+            r.state_slot = self.states.alloc()
+            assert r.state_slot is not None, "decode peer out of state slots"
+        r.receiver.init(pages, slot, [] if r.state_slot is None else [r.state_slot])
         return r
 
     def finish(self, r: Room, timeout_s: float = 20.0, give_up: Callable[[], bool] = lambda: False) -> KVPoll:
@@ -164,6 +171,11 @@ class DecodePeer:
         slots = torch.tensor([p * ps + i for p in r.pages for i in range(ps)][: r.prompt_len])  # [T]
         return [(k[slots].clone(), v[slots].clone()) for k, v in zip(self.pool.k_buffers, self.pool.v_buffers)]
 
+    def state_of(self, r: Room) -> list[torch.Tensor]:
+        """Per state buffer (conv layer) the room's state as received. Each [hidden, kernel]."""
+        assert self.states is not None and r.state_slot is not None
+        return [buf[r.state_slot].clone() for buf in self.states.buffers]
+
     def aux_record(self, r: Room) -> AuxRecord:
         assert r.aux_slot is not None
         return self.aux.read(r.aux_slot)
@@ -173,7 +185,9 @@ class DecodePeer:
             self.allocator.free(r.pages)
         if r.aux_slot is not None:
             self.aux.free(r.aux_slot)
-        r.pages, r.aux_slot = [], None
+        if r.state_slot is not None and self.states is not None:
+            self.states.free(r.state_slot)
+        r.pages, r.aux_slot, r.state_slot = [], None, None
 
     # -- the router's part ---------------------------------------------------------------------
 

@@ -1,0 +1,76 @@
+"""A hybrid model (LFM2: short-conv layers with per-request recurrent state, plus attention)
+served disaggregated: prefill node + decode node over real Mooncake TCP. The decode reserves a
+state slot with the request's pages, the prefill writes the final conv state with the last
+chunk's KV, and the decode continues from it. Outputs equal HF greedy token for token (near-tie
+rule), also when the decode's pool runs dry and requests are retracted (their state dropped with
+their pages and recomputed); every node ends idle, state slots included.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, check_greedy, memory, running_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+# As tests/e2e/test_decode_failures.py: 16 pages of 16 tokens, optimistic headroom -> retraction.
+SMALL_POOL = ["--max-total-tokens", "256", "--num-reserved-decode-tokens", "16", "--max-running-requests", "8",
+              "--schedule-conservativeness", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_cluster(tiny_lfm2: str) -> Iterator[Cluster]:
+    # Chunks of 8 on the prefill: the state crosses chunk boundaries before it is sent.
+    with running_cluster(tiny_lfm2, prefill_args=["--chunked-prefill-size", "8"]) as c:
+        yield c
+
+
+def gen(prompt: list[int], n: int) -> dict:
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+
+
+def run_all(cluster: Cluster, jobs: list[tuple[list[int], int]]) -> list[list[int]]:
+    def run(i: int) -> list[int]:
+        prompt, n = jobs[i]
+        if i % 2:
+            p, events, status = cluster.pd_stream("/generate", gen(prompt, n))
+            assert p.status_code == 200 and status == 200, events[-1:]
+            return events[-2]["output_ids"]
+        p, d = cluster.pd("/generate", gen(prompt, n))
+        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        return d.json()["output_ids"]
+
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        return list(ex.map(run, range(len(jobs))))
+
+
+def test_twenty_concurrent_requests_match_hf(hybrid_cluster: Cluster) -> None:
+    rng = random.Random(15)
+    jobs = [([rng.randrange(3, 900) for _ in range(rng.choice([1, 2, 5, 8, 17, 40]))], rng.randrange(2, 16))
+            for _ in range(20)]
+    outs = run_all(hybrid_cluster, jobs)
+    for i, ((prompt, n), out) in enumerate(zip(jobs, outs)):
+        check_greedy(hybrid_cluster.model_dir, prompt, out, n, f"request {i} (prompt {len(prompt)})")
+    hybrid_cluster.wait_idle()
+    for node in (hybrid_cluster.prefill, hybrid_cluster.decode):
+        mem = memory(node.url)
+        assert mem["free_state_slots"] == mem["total_state_slots"] > 0, (node.name, mem)
+
+
+def test_forced_retraction_recomputes_state(tiny_lfm2: str) -> None:
+    env = {"PDC_BOOTSTRAP_TIMEOUT_S": "60"}  # rooms queue for memory behind the retracted ones
+    with running_cluster(tiny_lfm2, decode_args=SMALL_POOL, env=env) as c:
+        prompts = [[(19 * i + 5 * k) % 900 + 3 for k in range(18 + 3 * i)] for i in range(8)]
+        outs = run_all(c, [(p, 48) for p in prompts])
+        text = httpx.get(c.decode.url + "/metrics", timeout=10).text
+        retractions = [float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("pdc_scheduler_retractions_total")]
+        assert retractions and retractions[0] > 0, "the pool never ran dry"
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            check_greedy(c.model_dir, prompt, out, 48, f"request {i}")
+        c.wait_idle()
