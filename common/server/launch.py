@@ -1,12 +1,11 @@
 """Start a node's API process: tokenizer + SchedulerClient + app on uvicorn.
 
-Node launchers call ``run_api_server`` in the process that should serve HTTP (it blocks until
-shutdown). ``python -m common.server`` does the same from flags, for tests and debugging.
+Node launchers (prefill_node/launch.py, decode_node/__main__.py) call ``run_api_server`` in the
+process that should serve HTTP, once their scheduler is ready; it blocks until shutdown. There is
+no API-only entry point: tests/integration/_api_process.py calls ``run_api_server`` the same way.
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 from collections.abc import Callable
 
@@ -60,30 +59,3 @@ def run_api_server(cfg: ApiConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer
     # graceful shutdown: a long stream must not keep a stopping node alive.
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level, access_log=False, timeout_keep_alive=60,
                 timeout_graceful_shutdown=5)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m common.server", description="a node's API process alone")
-    p.add_argument("--role", choices=("prefill", "decode"), required=True)
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--tokenizer-path")
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--context-length", type=int)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
-    p.add_argument("--to-scheduler", required=True, help="ipc address the scheduler PULLs from")
-    p.add_argument("--from-scheduler", required=True, help="ipc address this process PULLs from")
-    p.add_argument("--scheduler-pid", type=int, help="fail requests with 503 once this pid is gone")
-    p.add_argument("--health-generate-timeout", type=float, default=20.0)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kw: dict = dict(tokenizer_path=args.tokenizer_path, served_model_name=args.served_model_name, host=args.host,
-                    port=args.port, bootstrap_port=args.disaggregation_bootstrap_port,
-                    health_generate_timeout_s=args.health_generate_timeout)
-    if args.context_length:
-        kw["context_length"] = args.context_length
-    cfg = ApiConfig.for_model_dir(args.role, args.model_path, **kw)
-    alive = pid_alive(args.scheduler_pid) if args.scheduler_pid else None
-    run_api_server(cfg, IpcEndpoints(args.to_scheduler, args.from_scheduler), scheduler_alive=alive)
-    return 0

@@ -23,6 +23,7 @@ import aiohttp
 
 from common.tools import bench_report as report
 from common.tools.bench_client import RequestResult, Target, send
+from common.tools.bench_run import exit_on_sigterm
 from common.tools.bench_workload import BenchRequest, make_workload
 from common.tools.local_cluster import LocalCluster
 
@@ -52,10 +53,9 @@ def _diffs_ms(pairs: list[tuple[RequestResult, RequestResult]], field: str) -> d
 
 
 def paired(a: argparse.Namespace, model: str, vocab_size: int) -> tuple[int, dict]:
-    from common.tools.bench import _sigterm  # a SIGTERM unwinds through the finally that stops the cluster
-
     cluster = LocalCluster(logdir=tempfile.mkdtemp(prefix="pdc-bench-paired-"))
-    previous = signal.signal(signal.SIGTERM, _sigterm)
+    # A SIGTERM unwinds through the finally that stops the cluster.
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         try:
             url = cluster.start(model, backend=a.transfer_backend, page_size=a.page_size, router=a.router,

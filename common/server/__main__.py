@@ -1,5 +1,0 @@
-import sys
-
-from common.server.launch import main
-
-sys.exit(main())
