@@ -10,6 +10,9 @@ Request faults (each request draws one, seeded):
     abort_request   a stream, then ``POST /abort_request {"rid"}`` at the router after its first event
     slow_reader     a stream the client stops reading for a while (then reads to the end)
 
+A third of the requests without ``abort_request`` go to the OpenAI API (``/v1/completions`` with a
+token-id prompt) instead of ``/generate``: their text must equal HF's greedy tokens detokenized.
+
 Node faults, spread over the run: SIGKILL + restart of a prefill, SIGKILL + restart of a decode,
 SIGSTOP of a prefill for longer than the heartbeat bound + quarantine, then SIGCONT.
 
@@ -57,6 +60,8 @@ class Outcome:
     elapsed_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
     prompt: int = 0
+    openai: bool = False  # /v1/completions: judged on ``text``, not ``tokens``
+    text: str = ""
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Report:
     max_error_s: float
     max_elapsed_s: float
     wall_s: float
+    openai_completed: int = 0  # completed requests that went through /v1/completions
 
     @property
     def clean(self) -> bool:
@@ -85,7 +91,8 @@ class Report:
                  f"{'fault':<15}{'completed':>10}{'clear err':>10}{'client gone':>12}{'unclear':>9}"]
         for fault, c in sorted(self.by_fault.items()):
             lines.append(f"{fault:<15}{c['completed']:>10}{c['clear_error']:>10}{c['client_gone']:>12}{c['unclear']:>9}")
-        lines += [f"completed {self.outcomes['completed']}, wrong tokens {len(self.wrong_tokens)}",
+        lines += [f"completed {self.outcomes['completed']} ({self.openai_completed} over the OpenAI API), "
+                  f"wrong tokens {len(self.wrong_tokens)}",
                   f"clear errors {self.outcomes['clear_error']} (slowest {self.max_error_s:.1f} s, bound {REQUEST_BOUND_S:g} s)",
                   f"unclear endings {len(self.unclear)}, slowest request {self.max_elapsed_s:.1f} s",
                   f"nodes not back at idle: {len(self.not_idle)}, wedged: {len(self.wedged)}",
@@ -114,30 +121,41 @@ def matches(got: list[int], want: list[int], gaps: list[float]) -> bool:
     return got == want
 
 
-async def one(session: aiohttp.ClientSession, url: str, i: int, fault: str, stream: bool,
+def text_matches(got: str, want: list[int], gaps: list[float], decode) -> bool:  # type: ignore[no-untyped-def]
+    """OpenAI answers are text: HF's tokens detokenized, up to the first near-tie step."""
+    tie = next((k for k, g in enumerate(gaps) if g < NEAR_TIE), None)
+    return got == decode(want) if tie is None else got.startswith(decode(want[:tie]))
+
+
+async def one(session: aiohttp.ClientSession, url: str, i: int, fault: str, stream: bool, openai: bool,
               pool: list[tuple[list[int], int]], rng: random.Random) -> Outcome:
     pi = rng.randrange(len(pool))
     prompt, n = pool[pi]
     rid = f"chaos-{i}"
-    body = {"rid": rid, "input_ids": prompt, "stream": stream,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    out = Outcome(i, fault, stream, prompt=pi)
+    if openai:
+        path = "/v1/completions"
+        body: dict = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": stream}
+    else:
+        path = "/generate"
+        body = {"rid": rid, "input_ids": prompt, "stream": stream,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    out = Outcome(i, fault, stream, prompt=pi, openai=openai)
     t0 = time.monotonic()
     try:
         if fault == "client_abort":
             try:
                 async with asyncio.timeout(rng.uniform(0.0, 0.3)):
-                    async with session.post(url + "/generate", json={**body, "stream": False}) as r:
+                    async with session.post(url + path, json={**body, "stream": False}) as r:
                         status, raw = r.status, await r.read()
                 return _judge_whole(out, status, raw)  # answered before the client gave up
             except TimeoutError:
                 out.kind = "client_gone"
                 return out
         if not stream:
-            async with session.post(url + "/generate", json=body) as r:
+            async with session.post(url + path, json=body) as r:
                 raw = await r.read()
                 return _judge_whole(out, r.status, raw)
-        return await _stream(session, url, out, body, fault, rng)
+        return await _stream(session, url + path, out, body, fault, rng)
     except (aiohttp.ClientError, ConnectionError) as exc:
         out.kind, out.detail = "unclear", f"connection error: {type(exc).__name__}: {exc}"
         return out
@@ -150,6 +168,13 @@ def _judge_whole(out: Outcome, status: int, raw: bytes) -> Outcome:
         doc = json.loads(raw)
     except ValueError:
         doc = None
+    if status == 200 and isinstance(doc, dict) and out.openai:
+        choice = (doc.get("choices") or [{}])[0]
+        if choice.get("finish_reason") in ("length", "stop"):
+            out.kind, out.text = "completed", str(choice.get("text", ""))
+        else:
+            out.kind, out.detail = "clear_error", f"finish_reason {choice.get('finish_reason')!r}"
+        return out
     if status == 200 and isinstance(doc, dict):
         finish = doc.get("meta_info", {}).get("finish_reason") or {}
         if finish.get("type") == "abort":
@@ -168,7 +193,7 @@ def _judge_whole(out: Outcome, status: int, raw: bytes) -> Outcome:
 async def _stream(session: aiohttp.ClientSession, url: str, out: Outcome, body: dict, fault: str,
                   rng: random.Random) -> Outcome:
     close_after = rng.randrange(1, 6) if fault == "disconnect" else None
-    async with session.post(url + "/generate", json=body) as r:
+    async with session.post(url, json=body) as r:
         if r.status != 200:
             return _judge_whole(out, r.status, await r.read())
         buf, events, last = bytearray(), 0, None
@@ -186,11 +211,14 @@ async def _stream(session: aiohttp.ClientSession, url: str, out: Outcome, body: 
                     out.kind, out.detail = "clear_error", f"SSE error: {str(event['error'])[:120]}"
                     continue
                 last, events = event, events + 1
+                if out.openai:
+                    out.text += "".join(c.get("text", "") for c in event.get("choices") or [])
                 if close_after is not None and events >= close_after:
                     out.kind = "client_gone"
                     return out  # leaving the block closes the connection mid-stream
                 if fault == "abort_request" and events == 1:
-                    async with session.post(url + "/abort_request", json={"rid": body["rid"]}) as a:
+                    abort_url = url.rsplit("/", 1)[0] + "/abort_request"
+                    async with session.post(abort_url, json={"rid": body["rid"]}) as a:
                         await a.read()
                 if fault == "slow_reader" and events == 1:
                     await asyncio.sleep(rng.uniform(1.0, 3.0))  # the stream queues up behind us
@@ -200,6 +228,14 @@ async def _stream(session: aiohttp.ClientSession, url: str, out: Outcome, body: 
 
 def _judge_stream_end(out: Outcome, last: dict | None) -> Outcome:
     if out.kind == "clear_error":
+        return out
+    if out.openai:
+        reasons = [c.get("finish_reason") for c in (last or {}).get("choices") or []]
+        # with include_usage off the last event is the one that carries the finish reason
+        if reasons and reasons[-1] in ("length", "stop"):
+            out.kind = "completed"
+        else:
+            out.kind, out.detail = "clear_error", f"stream finish_reason {reasons[-1:]!r}"
         return out
     finish = ((last or {}).get("meta_info") or {}).get("finish_reason") or {}
     if finish.get("type") == "abort":
@@ -237,7 +273,12 @@ async def _one_fault(cluster: LocalCluster, router: str, fault: str, log: list[s
     loop = asyncio.get_running_loop()
     t = time.monotonic()
     target = {"kill_prefill": "prefill1", "kill_decode": "decode1", "stop_prefill": "prefill0"}[fault]
-    hit = await loop.run_in_executor(None, _inflight, router, target, cluster)
+    # Strike while the target has requests in flight (a fault on an idle node proves little), but
+    # only wait so long: a quiet node is faulted anyway and the log says it hit nothing.
+    deadline = time.monotonic() + 5.0
+    while (hit := await loop.run_in_executor(None, _inflight, router, target, cluster)) == 0 \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
     if fault == "stop_prefill":
         cluster.kill(target, signal.SIGSTOP)
         await asyncio.sleep(HEARTBEAT_BOUND_S + QUARANTINE_S + 1.0)
@@ -254,6 +295,8 @@ async def storm(cluster: LocalCluster, url: str, n: int, concurrency: int, seed:
     rng = random.Random(seed)
     plan = [(rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0], rng.random() < 0.5) for _ in range(n)]
     plan = [(f, True if f in ("disconnect", "abort_request", "slow_reader") else s) for f, s in plan]
+    # /abort_request names a rid, which only /generate bodies carry: those stay native.
+    openai = [f != "abort_request" and rng.random() < 1 / 3 for f, _ in plan]
     sem = asyncio.Semaphore(concurrency)
     progress: asyncio.Queue = asyncio.Queue()
     node_log: list[str] = []
@@ -261,7 +304,7 @@ async def storm(cluster: LocalCluster, url: str, n: int, concurrency: int, seed:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def run(i: int, fault: str, stream: bool) -> Outcome:
             async with sem:
-                o = await one(session, url, i, fault, stream, pool, random.Random(seed * 100003 + i))
+                o = await one(session, url, i, fault, stream, openai[i], pool, random.Random(seed * 100003 + i))
             progress.put_nowait(i)
             return o
 
@@ -302,8 +345,13 @@ def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: i
         raise
     finally:
         cluster.stop()
-    wrong = [f"request {o.index} (prompt {o.prompt}, {'stream' if o.stream else 'whole'}): got {o.tokens}, "
-             f"HF {refs[o.prompt][0]}" for o in outcomes if o.kind == "completed" and not matches(o.tokens, *refs[o.prompt])]
+    from common.tokenizer import Tokenizer
+
+    decode = Tokenizer(model_dir).decode
+    wrong = [f"request {o.index} (prompt {o.prompt}, {'stream' if o.stream else 'whole'}, "
+             f"{'openai' if o.openai else 'native'}): got {o.text if o.openai else o.tokens}, HF {refs[o.prompt][0]}"
+             for o in outcomes if o.kind == "completed"
+             and not (text_matches(o.text, *refs[o.prompt], decode) if o.openai else matches(o.tokens, *refs[o.prompt]))]
     by_fault: dict[str, Counter] = {}
     for o in outcomes:
         by_fault.setdefault(o.fault, Counter())[o.kind] += 1
@@ -312,4 +360,5 @@ def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: i
                   node_faults=node_log, wrong_tokens=wrong,
                   unclear=[f"request {o.index} ({o.fault}): {o.detail}" for o in outcomes if o.kind == "unclear"],
                   not_idle=not_idle, wedged=wedged, max_error_s=max(errors, default=0.0),
-                  max_elapsed_s=max((o.elapsed_s for o in outcomes), default=0.0), wall_s=wall)
+                  max_elapsed_s=max((o.elapsed_s for o in outcomes), default=0.0), wall_s=wall,
+                  openai_completed=sum(o.openai and o.kind == "completed" for o in outcomes))
