@@ -83,7 +83,8 @@ class PrefillKVManager(PrefillControl):
             staging = self._staging.buffers()
             for ptr, nbytes in [*args.all_buffers(), *zip(staging.ptrs, staging.nbytes)]:
                 engine.register(ptr, nbytes)
-            self._workers = [TransferWorker(i, self, engine, self._staging, config.max_batch_entries) for i in range(config.num_workers)]
+            self._workers = [TransferWorker(i, self, args, engine, self._staging, config.max_batch_entries)
+                             for i in range(config.num_workers)]
             self.rank_info = wire.rank_info(args, port, self.instance_id, engine)
             bootstrap.register_rank(bootstrap_addr, self.rank_info)
         except Exception as exc:
@@ -183,7 +184,7 @@ class PrefillKVManager(PrefillControl):
             if r is not None and r.status is KVPoll.Failed:
                 self._tombstones[room] = (time.monotonic() + self.config.bootstrap_timeout_s, r.reason or "failed")
 
-    # --- worker-facing (see transfer.worker) ---------------------------------------------------
+    # --- worker-facing (transfer.worker.ChunkSource) -------------------------------------------
     def begin_chunk(self, chunk: Chunk) -> list[Target] | None:
         """Pin the room for a chunk; None when it failed meanwhile (nothing to write)."""
         with self._lock:
