@@ -41,7 +41,7 @@ import torch
 
 from transfer import _bench_peer as peer
 from transfer import descriptors as d
-from transfer.backends.mooncake import _auto_protocol  # imports mooncake itself only when an engine starts
+from transfer.backends.mooncake import auto_protocol  # imports mooncake itself only when an engine starts
 from transfer.base import DataPlane
 from transfer.descriptors import Descriptors
 
@@ -212,7 +212,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         from mooncake.engine import TransferEngine
 
         raw = TransferEngine()
-        if raw.initialize("127.0.0.1", "P2PHANDSHAKE", _auto_protocol(), "") != 0:
+        if raw.initialize("127.0.0.1", "P2PHANDSHAKE", auto_protocol(), "") != 0:
             raise RuntimeError("raw mooncake engine failed to initialize")
     capacity = lay.capacity(list(cfg.page_sizes))
     src = torch.empty(capacity, dtype=torch.uint8)  # [capacity]: every prefill buffer, carved per page size
@@ -308,7 +308,7 @@ def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) 
 
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                             "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": load_after,
-                            "mooncake_protocol": _auto_protocol()}
+                            "mooncake_protocol": auto_protocol()}
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
