@@ -177,7 +177,7 @@ class DecodeKVManager:
             # Not queued, so never delivered: nothing can be written into the pages.
             with self._lock:
                 r.info_sent_at = None
-                self._rooms.advance(r, KVPoll.Failed, f"could not queue TransferInfo for prefill {endpoint}")
+                self._rooms.advance_locked(r, KVPoll.Failed, f"could not queue TransferInfo for prefill {endpoint}")
 
     def abort_room(self, room: int, reason: str) -> None:
         with self._lock:
@@ -185,7 +185,7 @@ class DecodeKVManager:
             if r is None or r.status.terminal or r.pending_fail is not None:
                 return
             if r.info_sent_at is None:
-                self._rooms.advance(r, KVPoll.Failed, reason)
+                self._rooms.advance_locked(r, KVPoll.Failed, reason)
             else:
                 self._begin_abort_locked(r, reason)
         # Also when nothing was sent yet: the prefill's sender then fails now, not at its timeout.
@@ -237,7 +237,7 @@ class DecodeKVManager:
         send_register = False
         with self._lock:
             if self._peers.get(peer.endpoint) is not peer:
-                self._rooms.advance(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
+                self._rooms.advance_locked(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
                 return
             if not peer.registered:
                 peer.registered = send_register = True
@@ -246,7 +246,7 @@ class DecodeKVManager:
             return self._fail(room, f"could not queue KV args for prefill {peer.endpoint}")
         with self._lock:
             if r.pending_fail is None:
-                self._rooms.advance(r, KVPoll.WaitingForInput)
+                self._rooms.advance_locked(r, KVPoll.WaitingForInput)
 
     # --- status thread -------------------------------------------------------------------------
     def _handle(self, msg: object) -> None:
@@ -258,7 +258,7 @@ class DecodeKVManager:
     def _on_status(self, msg: m.TransferStatus) -> None:
         with self._lock:
             if self._fenced.release(msg.room, f"prefill rank {msg.prefill_rank} answered for it"):
-                self._rooms.changed()
+                self._rooms.changed_locked()
                 return
             r = self._rooms.get(msg.room)
             if r is None or r.status.terminal:
@@ -268,11 +268,11 @@ class DecodeKVManager:
             if msg.unregistered and peer is not None:
                 peer.registered = False  # the next room registers again
             if r.pending_fail is not None:  # any answer ends the fence: nothing is in flight
-                self._rooms.advance(r, KVPoll.Failed, r.pending_fail)
+                self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail)
             elif msg.status == KVPoll.Success and r.info_sent_at is not None:
-                self._rooms.advance(r, KVPoll.Success)
+                self._rooms.advance_locked(r, KVPoll.Success)
             else:
-                self._rooms.advance(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+                self._rooms.advance_locked(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
 
     # --- heartbeat thread ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -292,19 +292,20 @@ class DecodeKVManager:
         aborts: list[tuple[DecodeRoom, str]] = []
         with self._lock:
             self._peers.expire_failures_locked(now)
-            for r in self._rooms.records():
+            for r in self._rooms.records_locked():
                 if r.status.terminal:
                     continue
                 if r.pending_fail is not None:
                     if now >= r.fence_deadline:
                         log.error("room %d: no answer from prefill %s by the fence deadline; failing it", r.room, r.endpoint)
-                        self._rooms.advance(r, KVPoll.Failed, r.pending_fail)
+                        self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail)
                         if r.peer is not None:  # no proof the peer's writes ended: hold the pages
                             i = r.peer.info
                             self._fenced.hold(Fenced(r.room, i.endpoint, i.rank_ip, i.rank_port, i.instance_id, now))
                 elif r.info_sent_at is None and now - r.created > cfg.bootstrap_timeout_s:
                     what = "reach the prefill" if r.status is KVPoll.Bootstrapping else "reserve memory"
-                    self._rooms.advance(r, KVPoll.Failed, f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)")
+                    reason = f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)"
+                    self._rooms.advance_locked(r, KVPoll.Failed, reason)
                 elif r.info_sent_at is not None and now - r.info_sent_at > cfg.waiting_timeout_s:
                     reason = f"KV did not arrive within {cfg.waiting_timeout_s:g}s (waiting timeout)"
                     aborts.append((r, self._begin_abort_locked(r, reason)))
@@ -317,7 +318,7 @@ class DecodeKVManager:
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.info_sent_at is None:
-                self._rooms.advance(r, KVPoll.Failed, reason)
+                self._rooms.advance_locked(r, KVPoll.Failed, reason)
 
     def _begin_abort_locked(self, r: DecodeRoom, reason: str) -> str:
         r.pending_fail = reason

@@ -82,11 +82,11 @@ class DecodeLiveness:
         log.warning("%s; declared dead (%s)", reason, "gone" if confirmed_gone else "may be hung: quarantining its rooms")
         now = time.monotonic()
         with self._lock:
-            for r in self._rooms.records():
+            for r in self._rooms.records_locked():
                 if r.endpoint != peer.endpoint or r.status.terminal:
                     continue
                 if r.info_sent_at is None or confirmed_gone:
-                    self._rooms.advance(r, KVPoll.Failed, r.pending_fail or reason)
+                    self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail or reason)
                 else:
                     r.pending_fail = r.pending_fail or reason
                     r.fence_deadline = min(r.fence_deadline, now + self._config.hung_peer_quarantine_s)
@@ -102,7 +102,7 @@ class DecodeLiveness:
             assert entry is not None
             if entry.instance_id is not None and entry.instance_id != msg.instance_id:
                 self._fenced.release(room, f"a new instance answers on {msg.endpoint}")
-                self._rooms.changed()
+                self._rooms.changed_locked()
             else:
                 again.append(room)
         return again
@@ -121,7 +121,7 @@ class DecodeLiveness:
                 with self._lock:
                     for room in self._fenced.rooms_of(endpoint):
                         self._fenced.release(room, f"prefill {endpoint} is gone (port refused)")
-                    self._rooms.changed()
+                    self._rooms.changed_locked()
                 if endpoint not in self._peers:
                     self._push.purge(endpoint)
             else:

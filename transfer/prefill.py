@@ -146,7 +146,7 @@ class PrefillKVManager:
         except Exception as exc:
             log.info("could not deregister from bootstrap %s: %s", self._bootstrap_addr, exc)
         with self._lock:
-            for r in self._rooms.records():
+            for r in self._rooms.records_locked():
                 self._control.fail_locked(r, "prefill transfer manager shutting down")
         for w in self._workers:
             w.stop()
@@ -173,7 +173,8 @@ class PrefillKVManager:
         """The keys of everything this manager holds (rooms, tombstones, orphan TransferInfos,
         known, refused and recently heard decode sessions): empty lists when it is idle."""
         with self._lock:
-            return {"rooms": self._rooms.rooms(), "tombstones": self._rooms.tombstones(), **self._control.tables_locked()}
+            return {"rooms": self._rooms.ids_locked(), "tombstones": self._rooms.tombstoned_locked(),
+                    **self._control.tables_locked()}
 
     # --- sender-facing (transfer.handles.SenderActions) ----------------------------------------
     def queue_chunk(self, room: int, pages: Sequence[int], last: bool, aux: AuxRecord | None, state: Sequence[int]) -> None:
@@ -230,7 +231,7 @@ class PrefillKVManager:
             elif chunk.last and r.status is KVPoll.Transferring:
                 self._control.succeed_locked(r)
             self._control.notify_failure_locked(r)
-            self._rooms.changed()  # Success, Failed, or a fenced room's last write returned
+            self._rooms.changed_locked()  # Success, Failed, or a fenced room's last write returned
             if dead_session is not None:
                 peer = self._control.forget_peer_locked(dead_session)
                 self._control.fail_session_locked(dead_session, error or f"decode {dead_session} unreachable")

@@ -138,7 +138,7 @@ class PrefillControl:
                 reason = wire.bad_destination(peer, info)
             r = self._rooms.get(info.room)
             if r is None:
-                tomb = self._rooms.tombstone_reason(info.room)
+                tomb = self._rooms.tombstone_reason_locked(info.room)
                 if reason is None and tomb is None:  # the request has not reached this rank yet
                     _, infos = self._orphans.setdefault(info.room, (time.monotonic(), {}))
                     infos[info.session_id] = info
@@ -190,7 +190,7 @@ class PrefillControl:
         timeout = self._config.bootstrap_timeout_s
         expired: list[tuple[int, m.TransferInfo]] = []
         with self._lock:
-            for r in self._rooms.records():
+            for r in self._rooms.records_locked():
                 if r.status is KVPoll.Bootstrapping and now - r.created > timeout:
                     self.fail_locked(r, f"no TransferInfo from the decode within {timeout:g}s (bootstrap timeout)")
             for room, (since, infos) in list(self._orphans.items()):
@@ -210,7 +210,7 @@ class PrefillControl:
     def _idle_peers_locked(self, now: float) -> list[m.KVArgsRegister]:
         """Drop decodes gone silent with no room bound to them (restarted or scaled away)."""
         limit = self._config.idle_peer_purge_s
-        busy = {s for r in self._rooms.records() if not r.status.terminal for s in r.infos}
+        busy = {s for r in self._rooms.records_locked() if not r.status.terminal for s in r.infos}
         idle = [p for s, p in self._peers.items() if s not in busy and now - self._last_heard.get(s, now) > limit]
         for p in idle:
             del self._peers[p.session_id]
@@ -224,10 +224,10 @@ class PrefillControl:
     def _add_info_locked(self, r: PrefillRoom, info: m.TransferInfo) -> None:
         r.infos[info.session_id] = info
         if len(r.infos) >= info.required_dst_info_num:
-            self._rooms.advance(r, KVPoll.WaitingForInput)
+            self._rooms.advance_locked(r, KVPoll.WaitingForInput)
 
     def fail_locked(self, r: PrefillRoom, reason: str) -> None:
-        if self._rooms.advance(r, KVPoll.Failed, reason):
+        if self._rooms.advance_locked(r, KVPoll.Failed, reason):
             self.notify_failure_locked(r)
 
     def notify_failure_locked(self, r: PrefillRoom) -> None:
@@ -247,6 +247,6 @@ class PrefillControl:
                 room=r.room, status=int(KVPoll.Success), prefill_rank=self._rank))
 
     def fail_session_locked(self, session: str, reason: str) -> None:
-        for r in self._rooms.records():
+        for r in self._rooms.records_locked():
             if session in r.infos:
                 self.fail_locked(r, reason)

@@ -7,16 +7,17 @@ why a released room failed (its *tombstone*), so a late message for it is still 
 
 Lock discipline::
 
-    table.lock   guards every record's fields and the table itself, and the other tables of the
-                 manager that owns it (the prefill's decode registry and orphans, the decode's
-                 prefill-rank cache and holding set): one lock, so a change that spans a room
-                 and a peer is never seen half done
-    *_locked     methods (here and in the managers' parts) expect the caller to hold it
-    get()        one dict read, safe without it: the scheduler's ``poll()`` never waits for it
-                 (each field it reads is replaced whole, under the lock, by the writer)
+    table.lock       guards every record's fields and the table itself, and the other tables of
+                     the manager that owns it (the prefill's decode registry and orphans, the
+                     decode's prefill-rank cache and holding set): one lock, so a change that
+                     spans a room and a peer is never seen half done
+    *_locked         methods (here and in the managers' parts) expect the caller to hold it
+    release()        takes it itself (a handle calls it on the scheduler's thread)
+    get(), in, len   one dict read, safe without it: the scheduler's ``poll()`` never waits for
+                     it (each field it reads is replaced whole, under the lock, by the writer)
 
-State changes go through ``advance``: forward only (``can_advance``), and each one tells the
-manager's state listener, so the scheduler's wait ends at once.
+State changes go through ``advance_locked``: forward only (``can_advance``), and each one tells
+the manager's state listener, so the scheduler's wait ends at once.
 """
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ class RoomTable(Generic[R]):
         whenever a handle's ``poll()`` answer may have changed."""
         self._listener = fn
 
-    def changed(self) -> None:
-        """Tell the listener (lock held) of a change ``advance`` did not make itself."""
+    def changed_locked(self) -> None:
+        """Tell the listener (lock held) of a change ``advance_locked`` did not make itself."""
         self._listener()
 
     # --- lookups -------------------------------------------------------------------------------
@@ -121,11 +122,11 @@ class RoomTable(Generic[R]):
     def __len__(self) -> int:
         return len(self._rooms)
 
-    def records(self) -> list[R]:
+    def records_locked(self) -> list[R]:
         """Every record, as a list the caller may iterate while changing the table (lock held)."""
         return list(self._rooms.values())
 
-    def rooms(self) -> list[int]:
+    def ids_locked(self) -> list[int]:
         return sorted(self._rooms)
 
     # --- changes -------------------------------------------------------------------------------
@@ -136,7 +137,7 @@ class RoomTable(Generic[R]):
         self._rooms[record.room] = record
         return record
 
-    def advance(self, r: R, status: KVPoll, reason: str | None = None) -> bool:
+    def advance_locked(self, r: R, status: KVPoll, reason: str | None = None) -> bool:
         """Move ``r`` to ``status`` if that is a legal move (lock held); True when it moved."""
         if not can_advance(r.status, status):
             return False
@@ -158,7 +159,7 @@ class RoomTable(Generic[R]):
         assert self._tombstone_s is not None, "this table keeps no tombstones"
         self._tombstones[room] = (time.monotonic() + self._tombstone_s, reason)
 
-    def tombstone_reason(self, room: int) -> str | None:
+    def tombstone_reason_locked(self, room: int) -> str | None:
         tomb = self._tombstones.get(room)
         return None if tomb is None else tomb[1]
 
@@ -170,5 +171,5 @@ class RoomTable(Generic[R]):
         for room in [room for room, (expiry, _) in self._tombstones.items() if now > expiry]:
             del self._tombstones[room]
 
-    def tombstones(self) -> list[int]:
+    def tombstoned_locked(self) -> list[int]:
         return sorted(self._tombstones)
