@@ -5,9 +5,9 @@ Threads (all daemons, joined by ``close()``)::
     connect thread    rooms to resolve: bootstrap lookup (cached per prefill rank), layout check,
                       KVArgsRegister once per prefill rank
     status thread     PULL <- prefill: TransferStatus | Pong
-    heartbeat thread  Ping every prefill rank each interval; declare dead after N misses;
-                      probe peers the holding set waits on; room timers (bootstrap,
-                      waiting, fence deadlines); in transfer.decode_liveness
+    heartbeat thread  each interval: Ping every prefill rank, declare dead after N misses,
+                      probe peers the holding set waits on (transfer.decode_liveness); each
+                      tick: room timers (bootstrap, waiting, fence deadlines)
 
 Room lifecycle on this side::
 
