@@ -5,9 +5,9 @@ Threads (all daemons, joined by ``close()``)::
     connect thread    rooms to resolve: bootstrap lookup (cached per prefill rank), layout check,
                       KVArgsRegister once per prefill rank
     status thread     PULL <- prefill: TransferStatus | Pong
-    heartbeat thread  Ping every prefill rank each interval; declare dead after N misses;
-                      probe peers the holding set waits on; room timers (bootstrap,
-                      waiting, fence deadlines); in transfer.decode_liveness
+    heartbeat thread  each interval: Ping every prefill rank, declare dead after N misses,
+                      probe peers the holding set waits on (transfer.decode_liveness); each
+                      tick: room timers (bootstrap, waiting, fence deadlines)
 
 Room lifecycle on this side::
 
@@ -25,6 +25,13 @@ waits for that answer. A dead-declared rank whose port still accepts (hung, or h
 unreachable) keeps its rooms' pages quarantined for ``hung_peer_quarantine_s`` first. A room
 still unanswered at its fence deadline fails to its client but is *fenced* (``transfer.fenced``):
 ``fenced()`` stays True, and its pages must stay out of the pools, until a write is impossible.
+
+Parts, composed here::
+
+    RoomTable[DecodeRoom]    transfer.rooms: the records, the lock
+    PeerCache                transfer.peers: prefill ranks looked up, routes, failed lookups
+    FencedRooms              transfer.fenced: the holding set
+    DecodeLiveness           transfer.decode_liveness: heartbeats, dead peers, fence probes
 """
 from __future__ import annotations
 
@@ -34,10 +41,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import zmq
-from bootstrap_server.schema import DecodeLayout, check_receivable
+from bootstrap_server.schema import DecodeLayout
 
 from transfer import messages as m, wire
 from transfer.args import KVArgs
@@ -45,34 +51,22 @@ from transfer.base import BootstrapClient, DataPlane
 from transfer.bootstrap import with_cluster_secret
 from transfer.config import KVManagerConfig
 from transfer.control_auth import control_auth
+from transfer.decode_liveness import DecodeLiveness
 from transfer.descriptors import index_list
 from transfer.errors import TransferError
-from transfer.decode_liveness import DecodeLiveness
 from transfer.fenced import Fenced, FencedRooms
 from transfer.handles import DecodeKVReceiver
-from transfer.peers import Peer
-from transfer.poll import KVPoll, can_advance, no_listener
+from transfer.peers import PeerCache
+from transfer.poll import KVPoll
+from transfer.rooms import DecodeRoom, RoomTable
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Room:
-    room: int
-    bootstrap_addr: str
-    created: float
-    status: KVPoll = KVPoll.Bootstrapping
-    reason: str | None = None
-    endpoint: str | None = None  # the prefill rank, once resolved
-    peer: Peer | None = None
-    info_sent_at: float | None = None  # TransferInfo queued: the prefill may write from now on
-    pending_fail: str | None = None  # failure decided, waiting for the fence
-    fence_deadline: float = field(default=float("inf"))
-
-
-class DecodeKVManager(DecodeLiveness):
-    """Owns the status socket, the threads and (once constructed) ``engine``: ``close()`` closes it."""
+class DecodeKVManager:
+    """Owns the room table, the status socket, the threads and (once constructed) ``engine``:
+    ``close()`` closes it."""
 
     def __init__(
         self,
@@ -82,20 +76,14 @@ class DecodeKVManager(DecodeLiveness):
         config: KVManagerConfig = KVManagerConfig(),
     ) -> None:
         self.args, self.engine, self.config = args, engine, config
-        self._bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self.instance_id = uuid.uuid4().hex
-        self._decode_layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name,
-                                                          state=args.state_layout)
-        self._lock = threading.Lock()
-        self._rooms: dict[int, _Room] = {}
+        layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name,
+                                             state=args.state_layout)
+        self._rooms: RoomTable[DecodeRoom] = RoomTable()
+        self._lock = self._rooms.lock
+        self._peers = PeerCache(self._lock, with_cluster_secret(bootstrap, config.cluster_secret), layout, args.tp_rank)
         self._fenced = FencedRooms()
-        self._probed: set[str] = set()  # endpoints the last fence probe pinged (heartbeat thread)
-        self._peers: dict[str, Peer] = {}  # prefill control endpoint -> peer
-        self._routes: dict[tuple[str, int], str] = {}  # (bootstrap addr, dp group) -> endpoint
-        self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
-        self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
         self._stop = threading.Event()
-        self._state_changed: Callable[[], None] = no_listener
         # Rooms to connect, or (room, bootstrap addr, reason, only if not live here): tell a
         # prefill we could not reach yet that the room was aborted or refused, so its sender
         # fails now rather than at its timeout.
@@ -112,6 +100,8 @@ class DecodeKVManager(DecodeLiveness):
             self._push.close()
             self._ctx.term()
             raise TransferError(f"decode transfer manager failed to start: {exc}") from exc
+        self._liveness = DecodeLiveness(config, self._rooms, self._peers, self._fenced, self._push, engine.session_id,
+                                        self.status_endpoint)
         self._threads = [
             threading.Thread(target=self._connect_loop, name="pdc-decode-connect", daemon=True),
             threading.Thread(
@@ -128,16 +118,16 @@ class DecodeKVManager(DecodeLiveness):
     def set_state_listener(self, fn: Callable[[], None]) -> None:
         """``fn`` (quick, non-blocking: a transfer thread calls it, lock held) runs whenever a
         receiver's ``poll()`` answer changed, so the scheduler's wait ends at once."""
-        self._state_changed = fn
+        self._rooms.set_listener(fn)
 
     def create_receiver(self, room: int, bootstrap_addr: str) -> DecodeKVReceiver:
         """``bootstrap_addr``: the prefill node's bootstrap server, "host:port"."""
         with self._lock:
             if room in self._rooms or room in self._fenced:
                 raise TransferError("room is already in flight (or fenced) on this decode rank", room)
-            self._rooms[room] = _Room(room, bootstrap_addr, time.monotonic())
+            self._rooms.insert_locked(DecodeRoom(room, bootstrap_addr, time.monotonic()))
         self._todo.put(room)
-        return DecodeKVReceiver(self, room)
+        return DecodeKVReceiver(self._rooms, self, room)
 
     def reject_room(self, room: int, bootstrap_addr: str, reason: str) -> None:
         """Tell the prefill behind ``bootstrap_addr`` that this decode refused ``room`` (a request
@@ -168,6 +158,45 @@ class DecodeKVManager(DecodeLiveness):
         """Rooms failed to their client whose pages stay held until the peer cannot write."""
         return len(self._fenced)
 
+    # --- receiver-facing (transfer.handles.ReceiverActions) ------------------------------------
+    def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int]) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.status.terminal or r.pending_fail is not None:
+                return  # failed meanwhile: the caller sees it at its next poll
+            if r.status is not KVPoll.WaitingForInput or r.endpoint is None:
+                raise TransferError(f"init() in state {r.status.name}; wait for WaitingForInput", room)
+            info = m.TransferInfo(
+                room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
+                status_endpoint=self.status_endpoint, dst_pages=index_list(pages),
+                aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
+            )
+            r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
+            endpoint = r.endpoint
+        if not self._push.send(endpoint, info):
+            # Not queued, so never delivered: nothing can be written into the pages.
+            with self._lock:
+                r.info_sent_at = None
+                self._rooms.advance_locked(r, KVPoll.Failed, f"could not queue TransferInfo for prefill {endpoint}")
+
+    def abort_room(self, room: int, reason: str) -> None:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.status.terminal or r.pending_fail is not None:
+                return
+            if r.info_sent_at is None:
+                self._rooms.advance_locked(r, KVPoll.Failed, reason)
+            else:
+                self._begin_abort_locked(r, reason)
+        # Also when nothing was sent yet: the prefill's sender then fails now, not at its timeout.
+        if r.endpoint is not None:
+            self._send_abort(r, reason)
+        else:
+            self._todo.put((room, r.bootstrap_addr, reason, False))
+
+    def is_fenced(self, room: int) -> bool:
+        return room in self._fenced
+
     # --- connect thread ------------------------------------------------------------------------
     def _connect_loop(self) -> None:
         while True:
@@ -187,7 +216,7 @@ class DecodeKVManager(DecodeLiveness):
         if only_if_absent and room in self._rooms:
             return  # a receiver for this room appeared meanwhile: the room is live, not refused
         try:
-            peer = self._resolve(addr, room)
+            peer = self._peers.resolve(addr, room)
         except Exception:
             return  # unreachable: the prefill's own bootstrap timeout fails its sender
         self._push.send(peer.endpoint, m.AbortRoom(
@@ -199,96 +228,84 @@ class DecodeKVManager(DecodeLiveness):
             return
         addr = r.bootstrap_addr
         try:
-            peer = self._resolve(addr, room)
+            peer = self._peers.resolve(addr, room)
         except Exception as exc:  # BootstrapError (unreachable, not registered, layout) or bad data
             reason = f"bootstrap {addr}: {exc}"
             with self._lock:
-                self._negative[addr] = (time.monotonic() + self.config.heartbeat_interval_s, reason)
+                self._peers.lookup_failed_locked(addr, reason, for_s=self.config.heartbeat_interval_s)
             return self._fail(room, reason)
         send_register = False
         with self._lock:
             if self._peers.get(peer.endpoint) is not peer:
-                return self._finalize_locked(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
+                self._rooms.advance_locked(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
+                return
             if not peer.registered:
                 peer.registered = send_register = True
             r.endpoint, r.peer = peer.endpoint, peer
         if send_register and not self._push.send(peer.endpoint, wire.register_message(self.args, self.engine.session_id, self.instance_id, self.status_endpoint)):
             return self._fail(room, f"could not queue KV args for prefill {peer.endpoint}")
         with self._lock:
-            if can_advance(r.status, KVPoll.WaitingForInput) and r.pending_fail is None:
-                r.status = KVPoll.WaitingForInput
-                self._state_changed()
-
-    def _resolve(self, addr: str, room: int) -> Peer:
-        """The prefill rank serving ``room`` (cached); raises when it cannot be found or received."""
-        with self._lock:
-            neg = self._negative.get(addr)
-            if neg is not None and neg[0] > time.monotonic():
-                raise TransferError(neg[1] + " (cached)")
-            dp_size = self._dp_sizes.get(addr)
-        if dp_size is None:
-            layout = self._bootstrap.lookup_layout(addr)
-            check_receivable(layout, self._decode_layout)  # LayoutMismatch names every bad field
-            dp_size = layout.dp_size
-            with self._lock:
-                self._dp_sizes[addr] = dp_size
-        key = (addr, room % dp_size)
-        with self._lock:
-            endpoint = self._routes.get(key)
-            if endpoint is not None and endpoint in self._peers:
-                return self._peers[endpoint]
-        info = self._bootstrap.lookup_rank(addr, self.args.tp_rank, key[1])
-        with self._lock:
-            peer = self._peers.get(info.endpoint)
-            if peer is None or peer.info.instance_id != info.instance_id:
-                peer = self._peers[info.endpoint] = Peer(addr, info)
-            self._routes[key] = info.endpoint
-            return peer
+            if r.pending_fail is None:
+                self._rooms.advance_locked(r, KVPoll.WaitingForInput)
 
     # --- status thread -------------------------------------------------------------------------
     def _handle(self, msg: object) -> None:
         if isinstance(msg, m.TransferStatus):
             self._on_status(msg)
         elif isinstance(msg, m.Pong):
-            self._on_pong(msg)
+            self._liveness.on_pong(msg)
 
     def _on_status(self, msg: m.TransferStatus) -> None:
         with self._lock:
             if self._fenced.release(msg.room, f"prefill rank {msg.prefill_rank} answered for it"):
-                self._state_changed()
+                self._rooms.changed_locked()
                 return
             r = self._rooms.get(msg.room)
             if r is None or r.status.terminal:
                 log.debug("status for unknown or finished room %d dropped", msg.room)
                 return
-            if msg.unregistered and r.endpoint in self._peers:
-                self._peers[r.endpoint].registered = False  # the next room registers again
+            peer = self._peers.get(r.endpoint)
+            if msg.unregistered and peer is not None:
+                peer.registered = False  # the next room registers again
             if r.pending_fail is not None:  # any answer ends the fence: nothing is in flight
-                self._finalize_locked(r, KVPoll.Failed, r.pending_fail)
+                self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail)
             elif msg.status == KVPoll.Success and r.info_sent_at is not None:
-                self._finalize_locked(r, KVPoll.Success, None)
+                self._rooms.advance_locked(r, KVPoll.Success)
             else:
-                self._finalize_locked(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+                self._rooms.advance_locked(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+
+    # --- heartbeat thread ----------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.wait(self.config.tick_s):
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.config.heartbeat_interval_s
+                    self._liveness.beat()
+                self._timers(time.monotonic())
+            except Exception:
+                log.exception("heartbeat pass failed")
 
     def _timers(self, now: float) -> None:
         cfg = self.config
-        aborts: list[tuple[_Room, str]] = []
+        aborts: list[tuple[DecodeRoom, str]] = []
         with self._lock:
-            for addr in [a for a, (expiry, _) in self._negative.items() if expiry <= now]:
-                del self._negative[addr]
-            for r in list(self._rooms.values()):
+            self._peers.expire_failures_locked(now)
+            for r in self._rooms.records_locked():
                 if r.status.terminal:
                     continue
                 if r.pending_fail is not None:
                     if now >= r.fence_deadline:
                         log.error("room %d: no answer from prefill %s by the fence deadline; failing it", r.room, r.endpoint)
-                        self._finalize_locked(r, KVPoll.Failed, r.pending_fail)
+                        self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail)
                         if r.peer is not None:  # no proof the peer's writes ended: hold the pages
                             i = r.peer.info
                             self._fenced.hold(Fenced(r.room, i.endpoint, i.rank_ip, i.rank_port, i.instance_id, now))
                 elif r.info_sent_at is None and now - r.created > cfg.bootstrap_timeout_s:
                     what = "reach the prefill" if r.status is KVPoll.Bootstrapping else "reserve memory"
-                    self._finalize_locked(r, KVPoll.Failed, f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)")
+                    reason = f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)"
+                    self._rooms.advance_locked(r, KVPoll.Failed, reason)
                 elif r.info_sent_at is not None and now - r.info_sent_at > cfg.waiting_timeout_s:
                     reason = f"KV did not arrive within {cfg.waiting_timeout_s:g}s (waiting timeout)"
                     aborts.append((r, self._begin_abort_locked(r, reason)))
@@ -296,66 +313,19 @@ class DecodeKVManager(DecodeLiveness):
             self._send_abort(r, reason)
 
     # --- room state ----------------------------------------------------------------------------
-    def _finalize_locked(self, r: _Room, status: KVPoll, reason: str | None) -> None:
-        if can_advance(r.status, status):
-            r.status, r.reason = status, reason
-            self._state_changed()
-            if status is KVPoll.Failed:
-                log.warning("room %d failed: %s", r.room, reason)
-
     def _fail(self, room: int, reason: str) -> None:
         """Fail a room that has not sent its TransferInfo (nothing can be written into it)."""
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.info_sent_at is None:
-                self._finalize_locked(r, KVPoll.Failed, reason)
+                self._rooms.advance_locked(r, KVPoll.Failed, reason)
 
-    def _begin_abort_locked(self, r: _Room, reason: str) -> str:
+    def _begin_abort_locked(self, r: DecodeRoom, reason: str) -> str:
         r.pending_fail = reason
         r.fence_deadline = time.monotonic() + self.config.heartbeat_bound_s + self.config.hung_peer_quarantine_s
         return reason
 
-    def _send_abort(self, r: _Room, reason: str) -> None:
+    def _send_abort(self, r: DecodeRoom, reason: str) -> None:
         if r.endpoint is not None:
             self._push.send(r.endpoint, m.AbortRoom(
                 room=r.room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))
-
-    # --- receiver-facing -----------------------------------------------------------------------
-    def _init(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int]) -> None:
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None or r.status.terminal or r.pending_fail is not None:
-                return  # failed meanwhile: the caller sees it at its next poll
-            if r.status is not KVPoll.WaitingForInput or r.endpoint is None:
-                raise TransferError(f"init() in state {r.status.name}; wait for WaitingForInput", room)
-            info = m.TransferInfo(
-                room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
-                status_endpoint=self.status_endpoint, dst_pages=index_list(pages),
-                aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
-            )
-            r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
-            endpoint = r.endpoint
-        if not self._push.send(endpoint, info):
-            # Not queued, so never delivered: nothing can be written into the pages.
-            with self._lock:
-                r.info_sent_at = None
-                self._finalize_locked(r, KVPoll.Failed, f"could not queue TransferInfo for prefill {endpoint}")
-
-    def _abort(self, room: int, reason: str) -> None:
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None or r.status.terminal or r.pending_fail is not None:
-                return
-            if r.info_sent_at is None:
-                self._finalize_locked(r, KVPoll.Failed, reason)
-            else:
-                self._begin_abort_locked(r, reason)
-        # Also when nothing was sent yet: the prefill's sender then fails now, not at its timeout.
-        if r.endpoint is not None:
-            self._send_abort(r, reason)
-        else:
-            self._todo.put((room, r.bootstrap_addr, reason, False))
-
-    def _release(self, room: int) -> None:
-        with self._lock:
-            self._rooms.pop(room, None)

@@ -1,21 +1,39 @@
 """Per-room handles: what a scheduler holds for each request (cheap; all state lives in the manager).
 
-``poll()`` is a dict read plus attribute reads, safe against the managers' threads because every
-field it reads is replaced atomically under the manager lock. The first terminal state seen is
-cached in the handle and the manager forgets the room, so later polls answer the same.
+A handle reads its room in the manager's ``RoomTable`` (``transfer.rooms``) and asks the manager
+to act through the small protocols below, which the managers satisfy; it never sees the manager
+itself. ``poll()`` is a dict read plus attribute reads, safe against the managers' threads
+because every field it reads is replaced atomically under the table's lock. The first terminal
+state seen is cached in the handle and the table forgets the room, so later polls answer the same.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from transfer.aux import AuxRecord
 from transfer.base import KVReceiver, KVSender
 from transfer.poll import KVPoll
+from transfer.rooms import RoomTable
 
-if TYPE_CHECKING:
-    from transfer.decode import DecodeKVManager
-    from transfer.prefill import PrefillKVManager
+
+class RoomActions(Protocol):
+    def abort_room(self, room: int, reason: str) -> None:
+        """Fail ``room`` (idempotent); the peer is told."""
+
+
+class SenderActions(RoomActions, Protocol):
+    def queue_chunk(self, room: int, pages: Sequence[int], last: bool, aux: AuxRecord | None,
+                    state: Sequence[int]) -> None:
+        """``KVSender.send``: queue the chunk for a transfer worker, or fail the room."""
+
+
+class ReceiverActions(RoomActions, Protocol):
+    def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int]) -> None:
+        """``KVReceiver.init``: send the room's TransferInfo."""
+
+    def is_fenced(self, room: int) -> bool:
+        """The room is in the holding set (``transfer.fenced``)."""
 
 
 class _RoomHandle:
@@ -23,58 +41,56 @@ class _RoomHandle:
 
     _default_abort_reason = "aborted"
 
-    def __init__(self, mgr: PrefillKVManager | DecodeKVManager, room: int) -> None:
-        self._mgr, self.room = mgr, room
+    def __init__(self, rooms: RoomTable[Any], actions: RoomActions, room: int) -> None:
+        self._rooms, self.room = rooms, room
+        self._actions = actions
         self._final: KVPoll | None = None
         self._reason: str | None = None
 
-    def _poll_room(self, fenced: bool) -> KVPoll:
-        """``fenced``: a Failed room with a write still in flight answers Transferring (prefill)."""
+    def poll(self) -> KVPoll:
         if self._final is not None:
             return self._final
-        r = self._mgr._rooms.get(self.room)
-        if r is None:  # only after _release, which happens after _final is set
+        r = self._rooms.get(self.room)
+        if r is None:  # only after release, which happens after _final is set
             return KVPoll.Failed
-        status = r.status
-        if fenced and status is KVPoll.Failed and r.inflight > 0:
-            return KVPoll.Transferring  # a write for this room has not returned yet
+        status = r.answer()
         if status.terminal:
             self._final, self._reason = status, r.reason
-            self._mgr._release(self.room)
+            self._rooms.release(self.room)
         return status
 
     def abort(self, reason: str | None = None) -> None:
-        self._mgr._abort(self.room, reason or self._default_abort_reason)
+        self._actions.abort_room(self.room, reason or self._default_abort_reason)
 
     @property
     def failure_reason(self) -> str | None:
         if self._final is not None:
             return self._reason
-        r = self._mgr._rooms.get(self.room)
+        r = self._rooms.get(self.room)
         return r.reason if r is not None and r.status is KVPoll.Failed else None
 
 
 class PrefillKVSender(_RoomHandle, KVSender):
     _default_abort_reason = "aborted by prefill"
-    _mgr: PrefillKVManager
+    _actions: SenderActions
+
+    def __init__(self, rooms: RoomTable[Any], actions: SenderActions, room: int) -> None:
+        super().__init__(rooms, actions, room)
 
     def send(self, page_indices: Sequence[int], last_chunk: bool, aux: AuxRecord | None = None,
              state_indices: Sequence[int] = ()) -> None:
-        self._mgr._queue_chunk(self.room, page_indices, last_chunk, aux, state_indices)
-
-    def poll(self) -> KVPoll:
-        return self._poll_room(fenced=True)
+        self._actions.queue_chunk(self.room, page_indices, last_chunk, aux, state_indices)
 
 
 class DecodeKVReceiver(_RoomHandle, KVReceiver):
     _default_abort_reason = "aborted by decode"
-    _mgr: DecodeKVManager
+    _actions: ReceiverActions
+
+    def __init__(self, rooms: RoomTable[Any], actions: ReceiverActions, room: int) -> None:
+        super().__init__(rooms, actions, room)
 
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
-        self._mgr._init(self.room, page_indices, aux_slot, state_indices)
-
-    def poll(self) -> KVPoll:
-        return self._poll_room(fenced=False)
+        self._actions.init_room(self.room, page_indices, aux_slot, state_indices)
 
     def fenced(self) -> bool:
-        return self.room in self._mgr._fenced
+        return self._actions.is_fenced(self.room)

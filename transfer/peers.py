@@ -1,17 +1,30 @@
-"""Decode-side knowledge of prefill ranks: the connection cache entry and the liveness probe.
+"""Decode-side knowledge of prefill ranks: the connection cache and the liveness probe.
 
 A ``Peer`` is one prefill rank this decode talks to, keyed by its control endpoint. It is created
 by a bootstrap lookup, holds whether our KV args were registered there, and carries heartbeat
-bookkeeping (Ping sequence numbers sent and acknowledged). When a peer is declared dead it is
-dropped together with every route to it and its PUSH socket, so the next room looks the rank up
-again and reaches a restarted prefill at once.
+bookkeeping (Ping sequence numbers sent and acknowledged). ``PeerCache`` holds them with the
+routes to them. When a peer is declared dead it is dropped together with every route to it
+(and, by the manager, its PUSH socket), so the next room looks the rank up again and reaches a
+restarted prefill at once.
+
+Caches, all guarded by the lock the owner passes in (its room table's: ``transfer.rooms``)::
+
+    addr -> dp_size                    the prefill's layout, checked once against ours
+    (addr, dp group) -> endpoint       which rank serves a room
+    endpoint -> Peer                   the rank itself
+    addr -> (expiry, reason)           a failed lookup, answered from here for a while
 """
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
-from bootstrap_server.schema import RankInfo
+from bootstrap_server.schema import DecodeLayout, RankInfo, check_receivable
+
+from transfer.base import BootstrapClient
+from transfer.errors import TransferError
 
 
 @dataclass
@@ -32,6 +45,74 @@ class Peer:
         self.misses = self.misses + 1 if self.acked_seq < self.sent_seq else 0
         self.sent_seq += 1
         return self.sent_seq
+
+
+class PeerCache:
+    """The prefill ranks one decode rank has looked up (see the module docstring).
+
+    ``resolve`` takes the lock around each cache access and none around a lookup (HTTP, on the
+    connect thread); the other calls expect the caller to hold it.
+    """
+
+    def __init__(self, lock: threading.Lock, bootstrap: BootstrapClient, layout: DecodeLayout, tp_rank: int) -> None:
+        self._lock, self._bootstrap, self._layout, self._tp_rank = lock, bootstrap, layout, tp_rank
+        self._peers: dict[str, Peer] = {}  # prefill control endpoint -> peer
+        self._routes: dict[tuple[str, int], str] = {}  # (bootstrap addr, dp group) -> endpoint
+        self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
+        self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
+
+    def resolve(self, addr: str, room: int) -> Peer:
+        """The prefill rank serving ``room`` (cached); raises when it cannot be found or received."""
+        with self._lock:
+            neg = self._negative.get(addr)
+            if neg is not None and neg[0] > time.monotonic():
+                raise TransferError(neg[1] + " (cached)")
+            dp_size = self._dp_sizes.get(addr)
+        if dp_size is None:
+            layout = self._bootstrap.lookup_layout(addr)
+            check_receivable(layout, self._layout)  # LayoutMismatch names every bad field
+            dp_size = layout.dp_size
+            with self._lock:
+                self._dp_sizes[addr] = dp_size
+        key = (addr, room % dp_size)
+        with self._lock:
+            endpoint = self._routes.get(key)
+            if endpoint is not None and endpoint in self._peers:
+                return self._peers[endpoint]
+        info = self._bootstrap.lookup_rank(addr, self._tp_rank, key[1])
+        with self._lock:
+            peer = self._peers.get(info.endpoint)
+            if peer is None or peer.info.instance_id != info.instance_id:
+                peer = self._peers[info.endpoint] = Peer(addr, info)
+            self._routes[key] = info.endpoint
+            return peer
+
+    def lookup_failed_locked(self, addr: str, reason: str, for_s: float) -> None:
+        """Answer lookups of ``addr`` with ``reason`` for ``for_s`` seconds."""
+        self._negative[addr] = (time.monotonic() + for_s, reason)
+
+    def expire_failures_locked(self, now: float) -> None:
+        for addr in [a for a, (expiry, _) in self._negative.items() if expiry <= now]:
+            del self._negative[addr]
+
+    def get(self, endpoint: str | None) -> Peer | None:
+        return None if endpoint is None else self._peers.get(endpoint)
+
+    def __contains__(self, endpoint: str) -> bool:
+        return endpoint in self._peers
+
+    def peers_locked(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def drop_locked(self, peer: Peer) -> bool:
+        """Forget ``peer`` with its routes and its prefill's layout (False: not the cached one)."""
+        if self._peers.get(peer.endpoint) is not peer:
+            return False
+        del self._peers[peer.endpoint]
+        for key in [k for k, e in self._routes.items() if e == peer.endpoint]:
+            del self._routes[key]
+        self._dp_sizes.pop(peer.bootstrap_addr, None)
+        return True
 
 
 def port_closed(host: str, port: int, timeout_s: float = 0.5) -> bool:

@@ -19,14 +19,21 @@ Fence: a worker checks the room before every engine batch, and ``poll()`` keeps 
 at Transferring while a batch is in flight, so the decode frees its pages, and we ours, only
 after our last write to them returned.
 
-The room table and the bootstrap thread's message handlers are in ``transfer.prefill_control``.
+Parts, composed here::
+
+    RoomTable[PrefillRoom]   transfer.rooms: the records, the lock, tombstones
+    PrefillControl           transfer.prefill_control: the bootstrap thread's handlers and timers,
+                             the decodes it knows, the statuses they are owed
+    TransferWorker x N       transfer.worker: they call back ``begin_chunk``/``end_chunk`` below
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -35,15 +42,16 @@ from transfer import wire
 from transfer.args import KVArgs
 from transfer.aux import AuxPool, AuxRecord
 from transfer.base import BootstrapClient, DataPlane
+from transfer.bootstrap import with_cluster_secret
 from transfer.config import KVManagerConfig
+from transfer.control_auth import control_auth
 from transfer.descriptors import index_list
 from transfer.errors import TransferError
 from transfer.handles import PrefillKVSender
 from transfer.poll import KVPoll
-from transfer.prefill_control import PrefillControl, PrefillRoom
+from transfer.prefill_control import PrefillControl
+from transfer.rooms import PrefillRoom, RoomTable
 from transfer.worker import GROUP_MAX, Chunk, Target, TransferWorker
-from transfer.bootstrap import with_cluster_secret
-from transfer.control_auth import control_auth
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
 log = logging.getLogger(__name__)
@@ -54,8 +62,9 @@ log = logging.getLogger(__name__)
 GOODBYE_FLUSH_S = 1.0
 
 
-class PrefillKVManager(PrefillControl):
-    """Owns the control socket, the workers and (once constructed) ``engine``: ``close()`` closes it."""
+class PrefillKVManager:
+    """Owns the room table, the control socket, the workers and (once constructed) ``engine``:
+    ``close()`` closes it."""
 
     def __init__(
         self,
@@ -65,8 +74,10 @@ class PrefillKVManager(PrefillControl):
         bootstrap_addr: str,
         config: KVManagerConfig = KVManagerConfig(),
     ) -> None:
-        super().__init__(args, config)
-        self.engine = engine
+        self.args, self.engine, self.config = args, engine, config
+        self.instance_id = uuid.uuid4().hex
+        self._rooms: RoomTable[PrefillRoom] = RoomTable(tombstone_s=config.bootstrap_timeout_s)
+        self._lock = self._rooms.lock
         self._bootstrap = bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self._bootstrap_addr = bootstrap_addr
         auth = control_auth(config.cluster_secret)
@@ -75,6 +86,7 @@ class PrefillKVManager(PrefillControl):
         self._push = PushSockets(self._ctx, auth)
         self._pull, port = bind_pull(self._ctx, args.host)
         self.endpoint = f"tcp://{args.host}:{port}"
+        self._control = PrefillControl(self._rooms, self._push, args, config, self.endpoint, self.instance_id)
         # GROUP_MAX staging aux rows per worker: a worker copies each last chunk's record to its
         # own row of the group being written, then writes it with the chunk's pages.
         self._staging = AuxPool(config.num_workers * GROUP_MAX, top_k=args.aux_top_k)
@@ -83,7 +95,8 @@ class PrefillKVManager(PrefillControl):
             staging = self._staging.buffers()
             for ptr, nbytes in [*args.all_buffers(), *zip(staging.ptrs, staging.nbytes)]:
                 engine.register(ptr, nbytes)
-            self._workers = [TransferWorker(i, self, engine, self._staging, config.max_batch_entries) for i in range(config.num_workers)]
+            self._workers = [TransferWorker(i, self, args, engine, self._staging, config.max_batch_entries)
+                             for i in range(config.num_workers)]
             self.rank_info = wire.rank_info(args, port, self.instance_id, engine)
             bootstrap.register_rank(bootstrap_addr, self.rank_info)
         except Exception as exc:
@@ -93,7 +106,8 @@ class PrefillKVManager(PrefillControl):
             raise TransferError(f"prefill transfer manager failed to start: {exc}") from exc
         boot = threading.Thread(
             target=serve_pull, name="pdc-prefill-bootstrap", daemon=True,
-            args=(self._pull, m.decode_to_prefill, self._handle, self._on_tick, self._stop, config.tick_s, "prefill bootstrap"),
+            args=(self._pull, m.decode_to_prefill, self._control.handle, self._control.tick, self._stop, config.tick_s,
+                  "prefill bootstrap"),
             kwargs={"auth": auth},
         )
         self._threads = [boot, *(w.thread for w in self._workers)]
@@ -102,20 +116,19 @@ class PrefillKVManager(PrefillControl):
         log.info("prefill KV manager up: control %s, data %s", self.endpoint, engine.session_id)
 
     # --- scheduler-facing ----------------------------------------------------------------------
+    def set_state_listener(self, fn: Callable[[], None]) -> None:
+        """``fn`` runs (on a transfer thread, the lock held: it must be quick and never block)
+        whenever a sender's ``poll()`` answer may have changed, so the scheduler loop can stop
+        waiting for input at once instead of polling its rooms on a timer."""
+        self._rooms.set_listener(fn)
+
     def create_sender(self, room: int) -> PrefillKVSender:
-        now = time.monotonic()
         with self._lock:
             if room in self._rooms:
                 raise TransferError("room is already in flight on this prefill rank", room)
-            r = self._rooms[room] = PrefillRoom(room, now)
-            orphan = self._orphans.pop(room, None)
-            if orphan is not None:
-                for info in orphan[1].values():
-                    self._add_info_locked(r, info)
-            tomb = self._tombstones.pop(room, None)
-            if tomb is not None:  # after the orphans: each decode that sent an info hears of it
-                self._fail_locked(r, tomb[1])
-        return PrefillKVSender(self, room)
+            r = self._rooms.insert_locked(PrefillRoom(room, time.monotonic()))
+            self._control.adopt_locked(r)  # TransferInfos that came first; a failure decided already
+        return PrefillKVSender(self._rooms, self, room)
 
     def close(self) -> None:
         """Stop threads, close sockets, release the engine (idempotent).
@@ -133,8 +146,8 @@ class PrefillKVManager(PrefillControl):
         except Exception as exc:
             log.info("could not deregister from bootstrap %s: %s", self._bootstrap_addr, exc)
         with self._lock:
-            for r in self._rooms.values():
-                self._fail_locked(r, "prefill transfer manager shutting down")
+            for r in self._rooms.records_locked():
+                self._control.fail_locked(r, "prefill transfer manager shutting down")
         for w in self._workers:
             w.stop()
         # One engine call is bounded by the data plane's write timeout, which the quarantine covers.
@@ -152,8 +165,19 @@ class PrefillKVManager(PrefillControl):
     def num_rooms(self) -> int:
         return len(self._rooms)
 
-    # --- sender-facing -------------------------------------------------------------------------
-    def _queue_chunk(self, room: int, pages: Sequence[int], last: bool, aux: AuxRecord | None, state: Sequence[int]) -> None:
+    def descriptors_written(self) -> int:
+        """Descriptors the workers handed to the engine so far (observability and tests)."""
+        return sum(w.descriptors_written for w in self._workers)
+
+    def tables(self) -> dict[str, list[Any]]:
+        """The keys of everything this manager holds (rooms, tombstones, orphan TransferInfos,
+        known, refused and recently heard decode sessions): empty lists when it is idle."""
+        with self._lock:
+            return {"rooms": self._rooms.ids_locked(), "tombstones": self._rooms.tombstoned_locked(),
+                    **self._control.tables_locked()}
+
+    # --- sender-facing (transfer.handles.SenderActions) ----------------------------------------
+    def queue_chunk(self, room: int, pages: Sequence[int], last: bool, aux: AuxRecord | None, state: Sequence[int]) -> None:
         with self._lock:
             r = self._rooms.get(room)
             if r is None or r.status.terminal:
@@ -163,27 +187,20 @@ class PrefillKVManager(PrefillControl):
             n_dst = min(len(i.dst_pages) for i in r.infos.values())
             end = r.pages_queued + len(pages)
             if r.last_queued:
-                return self._fail_locked(r, "send() after the last chunk")
+                return self._control.fail_locked(r, "send() after the last chunk")
             if end > n_dst or (last and end != n_dst):
-                return self._fail_locked(r, f"prefill sends {end} pages but the decode reserved {n_dst}")
+                return self._control.fail_locked(r, f"prefill sends {end} pages but the decode reserved {n_dst}")
             chunk = Chunk(room, index_list(pages), r.pages_queued, last, aux, index_list(state))
             r.pages_queued, r.last_queued, r.status = end, last, KVPoll.Transferring
         self._workers[room % len(self._workers)].put(chunk)
 
-    def _abort(self, room: int, reason: str) -> None:
+    def abort_room(self, room: int, reason: str) -> None:
         with self._lock:
             r = self._rooms.get(room)
             if r is not None:
-                self._fail_locked(r, reason)
+                self._control.fail_locked(r, reason)
 
-    def _release(self, room: int) -> None:
-        """The scheduler saw a terminal state: forget the room (late messages get a tombstone)."""
-        with self._lock:
-            r = self._rooms.pop(room, None)
-            if r is not None and r.status is KVPoll.Failed:
-                self._tombstones[room] = (time.monotonic() + self.config.bootstrap_timeout_s, r.reason or "failed")
-
-    # --- worker-facing (see transfer.worker) ---------------------------------------------------
+    # --- worker-facing (transfer.worker.ChunkSource) -------------------------------------------
     def begin_chunk(self, chunk: Chunk) -> list[Target] | None:
         """Pin the room for a chunk; None when it failed meanwhile (nothing to write)."""
         with self._lock:
@@ -192,9 +209,9 @@ class PrefillKVManager(PrefillControl):
                 return None
             targets = []
             for info in r.infos.values():
-                peer = self._peers.get(info.session_id)
+                peer = self._control.peer_locked(info.session_id)
                 if peer is None or peer.instance_id != info.instance_id:
-                    self._fail_locked(r, f"decode {info.session_id} is gone")
+                    self._control.fail_locked(r, f"decode {info.session_id} is gone")
                     return None
                 targets.append(Target(info, peer))
             r.inflight += 1
@@ -207,20 +224,17 @@ class PrefillKVManager(PrefillControl):
     def end_chunk(self, chunk: Chunk, error: str | None, dead_session: str | None) -> None:
         peer = None
         with self._lock:
-            r = self._rooms[chunk.room]  # pinned by begin_chunk: only _release removes it, after poll saw terminal
+            r = self._rooms[chunk.room]  # pinned by begin_chunk: released only after poll saw terminal
             r.inflight -= 1
             if error is not None:
-                self._fail_locked(r, error)
+                self._control.fail_locked(r, error)
             elif chunk.last and r.status is KVPoll.Transferring:
-                r.status = KVPoll.Success
-                for info in r.infos.values():
-                    self._push.send(info.status_endpoint, m.TransferStatus(
-                        room=r.room, status=int(KVPoll.Success), prefill_rank=self.args.tp_rank))
-            self._notify_failure_locked(r)
-            self._state_changed()  # Success, Failed, or a fenced room's last write returned
+                self._control.succeed_locked(r)
+            self._control.notify_failure_locked(r)
+            self._rooms.changed_locked()  # Success, Failed, or a fenced room's last write returned
             if dead_session is not None:
-                peer = self._peers.pop(dead_session, None)
-                self._fail_session_locked(dead_session, error or f"decode {dead_session} unreachable")
+                peer = self._control.forget_peer_locked(dead_session)
+                self._control.fail_session_locked(dead_session, error or f"decode {dead_session} unreachable")
         if dead_session is not None and peer is not None:
             # Forget the peer (a restarted decode registers again under a new session), but let
             # the Failed statuses just queued for its rooms reach it: its data port failed, its

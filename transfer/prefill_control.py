@@ -1,67 +1,72 @@
-"""The prefill manager's room table and control plane: what its bootstrap thread does with each
-decode message (KVArgsRegister, TransferInfo, AbortRoom, Ping) and on each timer pass, and the
-room state changes every thread shares (``PrefillKVManager`` in ``transfer.prefill`` builds on
-this with its lifecycle, the sender-facing and the worker-facing calls).
+"""The prefill manager's control plane: what its bootstrap thread does with each decode message
+(KVArgsRegister, TransferInfo, AbortRoom, Ping) and on each timer pass, the decodes it knows,
+and the room changes that a decode must hear of (a failure, a Success).
 
-Everything here runs under ``_lock`` where it touches the tables. Answers to a decode go through
-``PushSockets.send``, which never raises, so a state change is never left half done.
+``PrefillControl`` is composed into ``PrefillKVManager`` (``transfer.prefill``), which owns the
+room table, the sockets and the threads and hands this part the table and the PUSH sockets.
+
+Everything here runs under the table's lock where it touches the tables (``*_locked``: the
+caller holds it). Answers to a decode go through ``PushSockets.send``, which never raises, so a
+state change is never left half done.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 from transfer import messages as m
 from transfer import wire
 from transfer.args import KVArgs
 from transfer.config import KVManagerConfig
-from transfer.poll import KVPoll, can_advance, no_listener
+from transfer.poll import KVPoll
+from transfer.rooms import PrefillRoom, RoomTable
 from transfer.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PrefillRoom:
-    room: int
-    created: float
-    status: KVPoll = KVPoll.Bootstrapping
-    reason: str | None = None
-    infos: dict[str, m.TransferInfo] = field(default_factory=dict)  # by decode session
-    inflight: int = 0  # chunks a worker is writing right now
-    pages_queued: int = 0
-    last_queued: bool = False
-    failure_sent: bool = False
-
-
 class PrefillControl:
-    _push: PushSockets  # set by the manager once its sockets exist
-    endpoint: str  # our control endpoint, named in every Pong
+    """``endpoint``: our control endpoint, named in every Pong; ``instance_id``: this process."""
 
-    def __init__(self, args: KVArgs, config: KVManagerConfig) -> None:
-        self.args, self.config = args, config
-        self.instance_id = uuid.uuid4().hex
-        self._lock = threading.Lock()
-        self._rooms: dict[int, PrefillRoom] = {}
+    def __init__(self, rooms: RoomTable[PrefillRoom], push: PushSockets, args: KVArgs, config: KVManagerConfig,
+                 endpoint: str, instance_id: str) -> None:
+        self._rooms, self._push = rooms, push
+        self._rank, self._args, self._config = args.tp_rank, args, config
+        self._endpoint, self._instance_id = endpoint, instance_id
+        self._lock = rooms.lock
         self._orphans: dict[int, tuple[float, dict[str, m.TransferInfo]]] = {}  # infos before their sender
-        self._tombstones: dict[int, tuple[float, str]] = {}  # room -> (expiry, reason)
         self._peers: dict[str, m.KVArgsRegister] = {}  # decode session -> its buffers
         self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
         self._last_heard: dict[str, float] = {}  # decode session -> last message from it
-        self._state_changed: Callable[[], None] = no_listener
 
-    def set_state_listener(self, fn: Callable[[], None]) -> None:
-        """``fn`` runs (on a transfer thread, the lock held: it must be quick and never block)
-        whenever a sender's ``poll()`` answer may have changed, so the scheduler loop can stop
-        waiting for input at once instead of polling its rooms on a timer."""
-        self._state_changed = fn
+    # --- what the manager asks (lock held) -----------------------------------------------------
+    def adopt_locked(self, r: PrefillRoom) -> None:
+        """A room just created here: the TransferInfos that came before it count now, and a
+        failure decided before it existed fails it (after the infos: each decode hears of it)."""
+        orphan = self._orphans.pop(r.room, None)
+        if orphan is not None:
+            for info in orphan[1].values():
+                self._add_info_locked(r, info)
+        reason = self._rooms.take_tombstone_locked(r.room)
+        if reason is not None:
+            self.fail_locked(r, reason)
+
+    def peer_locked(self, session: str) -> m.KVArgsRegister | None:
+        """The KV args a decode session registered (None: unknown, refused or forgotten)."""
+        return self._peers.get(session)
+
+    def forget_peer_locked(self, session: str) -> m.KVArgsRegister | None:
+        """A write to ``session`` failed: it registers again (or, restarted, under a new session)."""
+        return self._peers.pop(session, None)
+
+    def tables_locked(self) -> dict[str, list[Any]]:
+        """What this part holds, for ``PrefillKVManager.tables``."""
+        return {"orphans": sorted(self._orphans), "decodes": sorted(self._peers),
+                "rejected": sorted(self._rejected), "heard": sorted(self._last_heard)}
 
     # --- bootstrap thread ----------------------------------------------------------------------
-    def _handle(self, msg: object) -> None:
+    def handle(self, msg: object) -> None:
         session = getattr(msg, "session_id", None)
         if session is not None:
             self._last_heard[session] = time.monotonic()
@@ -76,14 +81,14 @@ class PrefillControl:
         elif isinstance(msg, m.AbortRoom):
             self._on_abort(msg)
         elif isinstance(msg, m.Ping):
-            self._push.send(msg.status_endpoint, m.Pong(seq=msg.seq, endpoint=self.endpoint, instance_id=self.instance_id))
+            self._push.send(msg.status_endpoint, m.Pong(seq=msg.seq, endpoint=self._endpoint, instance_id=self._instance_id))
 
     def _on_register(self, msg: m.KVArgsRegister) -> None:
-        reason = wire.peer_mismatch(self.args, msg)
+        reason = wire.peer_mismatch(self._args, msg)
         with self._lock:
             old = self._peers.get(msg.session_id)
             if old is not None and old.instance_id != msg.instance_id:
-                self._fail_session_locked(msg.session_id, "decode restarted with the same session id")
+                self.fail_session_locked(msg.session_id, "decode restarted with the same session id")
             if reason is not None:
                 self._peers.pop(msg.session_id, None)
                 self._rejected[msg.session_id] = reason
@@ -103,24 +108,23 @@ class PrefillControl:
         reach that address again. It recovers by registering with a usable endpoint.
         """
         session = msg.session_id
-        now = time.monotonic()
         log.error("refusing decode %s: %s", session, reason)
         with self._lock:
             self._rejected[session] = reason
             self._peers.pop(session, None)
-            self._fail_session_locked(session, f"decode {session} refused: {reason}")
+            self.fail_session_locked(session, f"decode {session} refused: {reason}")
             for room, (_, infos) in list(self._orphans.items()):
                 if infos.pop(session, None) is not None:
-                    self._tombstones[room] = (now + self.config.bootstrap_timeout_s, reason)
+                    self._rooms.tombstone_locked(room, reason)
                     if not infos:
                         del self._orphans[room]
             room = getattr(msg, "room", None)
             if room is not None:
                 r = self._rooms.get(room)
                 if r is not None:
-                    self._fail_locked(r, f"decode {session} refused: {reason}")
+                    self.fail_locked(r, f"decode {session} refused: {reason}")
                 else:
-                    self._tombstones[room] = (now + self.config.bootstrap_timeout_s, reason)
+                    self._rooms.tombstone_locked(room, reason)
 
     def _on_info(self, info: m.TransferInfo) -> None:
         with self._lock:
@@ -134,30 +138,30 @@ class PrefillControl:
                 reason = wire.bad_destination(peer, info)
             r = self._rooms.get(info.room)
             if r is None:
-                tomb = self._tombstones.get(info.room)
+                tomb = self._rooms.tombstone_reason_locked(info.room)
                 if reason is None and tomb is None:  # the request has not reached this rank yet
                     _, infos = self._orphans.setdefault(info.room, (time.monotonic(), {}))
                     infos[info.session_id] = info
                     return
                 if tomb is None:  # remember the failure for a sender created later
-                    self._tombstones[info.room] = (time.monotonic() + self.config.bootstrap_timeout_s, reason or "")
-                reason = reason or tomb[1]
+                    self._rooms.tombstone_locked(info.room, reason or "")
+                reason = reason or tomb
             elif unregistered:
                 # Nothing can be written for this session; the answer tells the decode to register again.
-                self._fail_locked(r, reason or "")
+                self.fail_locked(r, reason or "")
             else:
                 already_told = r.status is KVPoll.Failed and r.failure_sent
                 r.infos[info.session_id] = info  # a failure is then reported to this decode too
                 if reason is None:
                     self._add_info_locked(r, info)
                 else:
-                    self._fail_locked(r, reason)
+                    self.fail_locked(r, reason)
                 if not already_told:
                     return
                 reason = r.reason
         # Nothing was or will be written for this room: answer the decode directly.
         self._push.send(info.status_endpoint, m.TransferStatus(
-            room=info.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=reason,
+            room=info.room, status=int(KVPoll.Failed), prefill_rank=self._rank, reason=reason,
             unregistered=unregistered))
 
     def _on_abort(self, msg: m.AbortRoom) -> None:
@@ -171,44 +175,42 @@ class PrefillControl:
                 if msg.session_id not in r.infos:
                     # The decode aborted before its TransferInfo arrived: still owe it an answer.
                     r.infos[msg.session_id] = wire.stub_info(msg)
-                self._fail_locked(r, reason)
+                self.fail_locked(r, reason)
                 if not already_told:
                     return
                 reason = r.reason or reason
             else:
                 self._orphans.pop(msg.room, None)
-                self._tombstones[msg.room] = (time.monotonic() + self.config.bootstrap_timeout_s, reason)
+                self._rooms.tombstone_locked(msg.room, reason)
         self._push.send(msg.status_endpoint, m.TransferStatus(
-            room=msg.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=reason))
+            room=msg.room, status=int(KVPoll.Failed), prefill_rank=self._rank, reason=reason))
 
-    def _on_tick(self) -> None:
+    def tick(self) -> None:
         now = time.monotonic()
-        timeout = self.config.bootstrap_timeout_s
+        timeout = self._config.bootstrap_timeout_s
         expired: list[tuple[int, m.TransferInfo]] = []
         with self._lock:
-            for r in list(self._rooms.values()):
+            for r in self._rooms.records_locked():
                 if r.status is KVPoll.Bootstrapping and now - r.created > timeout:
-                    self._fail_locked(r, f"no TransferInfo from the decode within {timeout:g}s (bootstrap timeout)")
+                    self.fail_locked(r, f"no TransferInfo from the decode within {timeout:g}s (bootstrap timeout)")
             for room, (since, infos) in list(self._orphans.items()):
                 if now - since > timeout:
                     del self._orphans[room]
                     expired.extend((room, i) for i in infos.values())
-            for room, (expiry, _) in list(self._tombstones.items()):
-                if now > expiry:
-                    del self._tombstones[room]
+            self._rooms.expire_tombstones_locked(now)
             idle = self._idle_peers_locked(now)
         for peer in idle:
-            log.info("forgetting decode %s: silent for %gs", peer.session_id, self.config.idle_peer_purge_s)
+            log.info("forgetting decode %s: silent for %gs", peer.session_id, self._config.idle_peer_purge_s)
             self._push.purge(peer.status_endpoint)
         for room, info in expired:
             self._push.send(info.status_endpoint, m.TransferStatus(
-                room=room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank,
+                room=room, status=int(KVPoll.Failed), prefill_rank=self._rank,
                 reason=f"prefill rank never received request for room {room} within {timeout:g}s"))
 
     def _idle_peers_locked(self, now: float) -> list[m.KVArgsRegister]:
         """Drop decodes gone silent with no room bound to them (restarted or scaled away)."""
-        limit = self.config.idle_peer_purge_s
-        busy = {s for r in self._rooms.values() if not r.status.terminal for s in r.infos}
+        limit = self._config.idle_peer_purge_s
+        busy = {s for r in self._rooms.records_locked() if not r.status.terminal for s in r.infos}
         idle = [p for s, p in self._peers.items() if s not in busy and now - self._last_heard.get(s, now) > limit]
         for p in idle:
             del self._peers[p.session_id]
@@ -218,31 +220,33 @@ class PrefillControl:
             self._rejected.pop(s, None)
         return idle
 
-    # --- room state (callers hold self._lock) --------------------------------------------------
+    # --- room changes a decode hears of (lock held) --------------------------------------------
     def _add_info_locked(self, r: PrefillRoom, info: m.TransferInfo) -> None:
         r.infos[info.session_id] = info
-        if len(r.infos) >= info.required_dst_info_num and can_advance(r.status, KVPoll.WaitingForInput):
-            r.status = KVPoll.WaitingForInput
-            self._state_changed()
+        if len(r.infos) >= info.required_dst_info_num:
+            self._rooms.advance_locked(r, KVPoll.WaitingForInput)
 
-    def _fail_locked(self, r: PrefillRoom, reason: str) -> None:
-        if not can_advance(r.status, KVPoll.Failed):
-            return
-        r.status, r.reason = KVPoll.Failed, reason
-        self._state_changed()
-        log.warning("room %d failed: %s", r.room, reason)
-        self._notify_failure_locked(r)
+    def fail_locked(self, r: PrefillRoom, reason: str) -> None:
+        if self._rooms.advance_locked(r, KVPoll.Failed, reason):
+            self.notify_failure_locked(r)
 
-    def _notify_failure_locked(self, r: PrefillRoom) -> None:
+    def notify_failure_locked(self, r: PrefillRoom) -> None:
         """Tell each decode of a failed room, once, and only when no write to it is in flight."""
         if r.status is not KVPoll.Failed or r.inflight > 0 or r.failure_sent:
             return
         r.failure_sent = True
         for info in r.infos.values():
             self._push.send(info.status_endpoint, m.TransferStatus(
-                room=r.room, status=int(KVPoll.Failed), prefill_rank=self.args.tp_rank, reason=r.reason))
+                room=r.room, status=int(KVPoll.Failed), prefill_rank=self._rank, reason=r.reason))
 
-    def _fail_session_locked(self, session: str, reason: str) -> None:
-        for r in self._rooms.values():
+    def succeed_locked(self, r: PrefillRoom) -> None:
+        """The last chunk was written: Success, and each decode is told."""
+        r.status = KVPoll.Success
+        for info in r.infos.values():
+            self._push.send(info.status_endpoint, m.TransferStatus(
+                room=r.room, status=int(KVPoll.Success), prefill_rank=self._rank))
+
+    def fail_session_locked(self, session: str, reason: str) -> None:
+        for r in self._rooms.records_locked():
             if session in r.infos:
-                self._fail_locked(r, reason)
+                self.fail_locked(r, reason)

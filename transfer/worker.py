@@ -1,8 +1,8 @@
 """Prefill transfer workers: chunks in, engine writes out.
 
 Each worker owns a queue and ``GROUP_MAX`` staging aux rows. It takes every chunk queued at
-that moment (up to ``GROUP_MAX``) as one group: it asks the manager to pin each room
-(``begin_chunk``), turns each chunk's pages into merged descriptors per decode target, appends
+that moment (up to ``GROUP_MAX``) as one group: it asks its ``ChunkSource`` (the prefill
+manager) to pin each room (``begin_chunk``), turns each chunk's pages into merged descriptors per decode target, appends
 the aux row and state items on a last chunk, and writes all of a decode's descriptors together
 in batches of at most ``max_batch_entries`` (checking before each batch that none of its rooms
 was failed meanwhile; a failed room's descriptors are dropped from the rest). Then it reports
@@ -24,16 +24,14 @@ import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common import envs
 from transfer import descriptors as d
 from transfer import messages as m
+from transfer.args import KVArgs
 from transfer.aux import AuxPool, AuxRecord
 from transfer.base import DataPlane
-
-if TYPE_CHECKING:
-    from transfer.prefill import PrefillKVManager
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +56,26 @@ class Target:
     peer: m.KVArgsRegister
 
 
+class ChunkSource(Protocol):
+    """What a worker asks of the rooms its chunks belong to (the prefill manager answers)."""
+
+    def begin_chunk(self, chunk: Chunk) -> list[Target] | None:
+        """Pin the chunk's room and return where it goes; None when the room failed meanwhile
+        (nothing to write, nothing pinned)."""
+
+    def room_failed(self, room: int) -> bool:
+        """Checked before every engine call: a failed room's descriptors are left out."""
+
+    def end_chunk(self, chunk: Chunk, error: str | None, dead_session: str | None) -> None:
+        """Unpin a chunk ``begin_chunk`` pinned: written (``error`` None) or failed;
+        ``dead_session``: the decode a failed engine write showed unreachable."""
+
+
 class TransferWorker:
-    def __init__(self, index: int, mgr: PrefillKVManager, engine: DataPlane, staging: AuxPool, max_batch_entries: int) -> None:
+    def __init__(self, index: int, source: ChunkSource, args: KVArgs, engine: DataPlane, staging: AuxPool,
+                 max_batch_entries: int) -> None:
         self.index = index
-        self._mgr, self._engine, self._staging = mgr, engine, staging
+        self._source, self._args, self._engine, self._staging = source, args, engine, staging
         self._max = min(max_batch_entries, engine.max_batch_entries)
         self._queue: queue.Queue[Chunk | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"pdc-transfer-worker-{index}", daemon=True)
@@ -110,7 +124,7 @@ class TransferWorker:
         try:
             per_session: dict[str, list[tuple[int, d.Descriptors]]] = {}
             for chunk in group:
-                targets = self._mgr.begin_chunk(chunk)
+                targets = self._source.begin_chunk(chunk)
                 if targets is None:
                     continue  # failed meanwhile: nothing to write, nothing pinned
                 pinned.append(chunk)
@@ -128,7 +142,7 @@ class TransferWorker:
         finally:
             for chunk in pinned:
                 error, dead = errors.get(chunk.room, (None, None))
-                self._mgr.end_chunk(chunk, error, dead)
+                self._source.end_chunk(chunk, error, dead)
 
     def _write(self, session: str, items: list[tuple[int, d.Descriptors]],
                errors: dict[int, tuple[str, str | None]]) -> None:
@@ -137,7 +151,7 @@ class TransferWorker:
         while pieces:
             # Before every engine call: drop the rooms that failed meanwhile (their pages may be
             # reused on the decode once the fence lets go) and the ones that already errored.
-            pieces = [(room, p) for room, p in pieces if room not in errors and not self._mgr.room_failed(room)]
+            pieces = [(room, p) for room, p in pieces if room not in errors and not self._source.room_failed(room)]
             batch, rooms, n = [], set(), 0
             while pieces and n + len(pieces[0][1]) <= self._max:
                 room, piece = pieces.pop(0)
@@ -159,7 +173,7 @@ class TransferWorker:
             self.descriptors_written += len(desc)
 
     def _descriptors(self, chunk: Chunk, t: Target, staging_row: int) -> d.Descriptors:
-        args = self._mgr.args
+        args = self._args
         n = len(chunk.src_pages)
         dst_pages = t.info.dst_pages[chunk.dst_offset: chunk.dst_offset + n]
         desc = d.build(chunk.src_pages, dst_pages, args.kv.ptrs, t.peer.kv_ptrs, args.kv.item_nbytes)
@@ -179,5 +193,5 @@ class TransferWorker:
         """State items (SWA window pages, Mamba states): same run merging, per state buffer."""
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} state items on the prefill vs {len(dst)} on the decode")
-        st = self._mgr.args.state
+        st = self._args.state
         return d.build(src, dst, st.ptrs, t.peer.state_ptrs, st.item_nbytes)

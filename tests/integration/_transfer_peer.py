@@ -121,9 +121,9 @@ def serve(conn: multiprocessing.connection.Connection, spec: PeerSpec) -> None:
                 elif op == "pages":
                     res = page_bytes(cmd[1])
                 elif op == "stats":
-                    workers = getattr(mgr, "_workers", [])
                     sticky = all(int(handles[r].poll()) == st for r, st in terminal.items())
-                    res = {"descriptors": sum(w.descriptors_written for w in workers), "rooms": mgr.num_rooms(),
+                    written = getattr(mgr, "descriptors_written", None)  # the prefill's workers
+                    res = {"descriptors": written() if written else 0, "rooms": mgr.num_rooms(),
                            "terminal": dict(terminal), "sticky": sticky}
                 else:
                     raise ValueError(f"unknown command {op!r}")

@@ -1,4 +1,4 @@
-"""``python -m transfer.bench`` on a tiny layout (smoke test), and the bench's byte-moving helpers.
+"""``python -m common.tools.bench_transfer`` on a tiny layout (smoke test), and the bench's byte-moving helpers.
 
 The smoke test runs the real CLI in its own process group (the bench spawns the decode child);
 expected descriptor counts and byte sizes are computed here from the layout, not by the bench.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer import _bench_peer as peer
+from common.tools import bench_transfer_peer as peer
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ BUFFERS, TOKEN_BYTES = 2 * LAYERS, HEADS * DIM * DTYPE_BYTES
 
 def run_bench(tmp_path: Path, methods: list[str], timeout_s: float = 60) -> tuple[dict, str]:
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "transfer.bench", "--layers", str(LAYERS), "--kv-heads", str(HEADS),
+    cmd = [sys.executable, "-m", "common.tools.bench_transfer", "--layers", str(LAYERS), "--kv-heads", str(HEADS),
            "--head-dim", str(DIM), "--dtype-bytes", str(DTYPE_BYTES), "--tokens", str(TOKENS),
            "--page-sizes", "1,16", "--iterations", "2", "--single-iteration-above", "100",
            "--methods", ",".join(methods), "--json", str(out)]
@@ -78,7 +78,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert r["gbps"] == pytest.approx(r["bytes"] / (lat["p50"] / 1e3) / 1e9), where
         if r["method"].startswith("sender"):
             assert r["handshake_ms"] > 0 and r["batches"] >= 1, where
-    assert report["command"].startswith("python -m transfer.bench --layers 2")
+    assert report["command"].startswith("python -m common.tools.bench_transfer --layers 2")
     assert report["machine"]["cpus"] >= 1 and len(report["machine"]["loadavg_before"]) == 3
     table = [ln for ln in stdout.splitlines() if ln.startswith("| ")]
     assert len(table) == len(rows) + 1  # header + one line per result

@@ -112,7 +112,8 @@ def test_the_prefill_drops_unsealed_and_wrongly_sealed_messages_before_any_state
     for frame in (register, info, ping, wrong.seal(register), wrong.seal(info), wrong.seal(ping), b"", b"x" * 40):
         sock.send(frame)
     time.sleep(0.3)  # the bootstrap thread has long handled them (tick 10 ms)
-    assert pm._peers == {} and pm._orphans == {} and pm._last_heard == {} and pm._rejected == {}
+    t = pm.tables()
+    assert t["decodes"] == t["orphans"] == t["heard"] == t["rejected"] == []
     assert status.poll(100) == 0, "an unauthenticated Ping was answered"
     sender = pm.create_sender(7)
     assert sender.poll() is KVPoll.Bootstrapping  # the TransferInfo for room 7 never counted
@@ -122,7 +123,7 @@ def test_the_prefill_drops_unsealed_and_wrongly_sealed_messages_before_any_state
     for frame in (register, info, ping):
         sock.send(good.seal(frame))
     wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
-    assert "intruder" in pm._peers
+    assert "intruder" in pm.tables()["decodes"]
     assert status.poll(2000) and good.open(status.recv()) is not None  # the Pong, sealed
     sender.abort("test over")
     status.close(linger=0)
@@ -151,7 +152,7 @@ def test_a_decode_without_the_secret_fails_its_room_instead_of_hanging(secure: C
     recv = dm.create_receiver(21, ADDR)
     state, _ = until_terminal(recv, timeout=5.0)
     assert state is KVPoll.Failed and "missed" in (recv.failure_reason or "")  # its Pings went unanswered
-    assert pm._peers == {}
+    assert pm.tables()["decodes"] == []
     sender.abort("test over")
 
 

@@ -281,7 +281,7 @@ def test_decode_restart_with_same_session_fails_old_rooms(cluster: Cluster) -> N
     s2.send([3], last_chunk=True)
     assert until_terminal(r2)[0] is KVPoll.Success and until_terminal(s2)[0] is KVPoll.Success
     dm2.close()  # silent from now on, no rooms: the prefill forgets it
-    wait_for(lambda: not pm._peers, timeout=3)
+    wait_for(lambda: not pm.tables()["decodes"], timeout=3)
 
 
 def test_factory_builds_managers_from_transfer_config(cluster: Cluster) -> None:

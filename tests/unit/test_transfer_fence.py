@@ -98,10 +98,10 @@ def test_refused_control_port_releases_the_room(cluster: Cluster) -> None:
 def test_a_new_instance_on_the_endpoint_releases_the_room_the_same_one_does_not(cluster: Cluster) -> None:
     pm, dm, _, recv, _ = fenced_room(cluster)
     released = count_releases(dm)
-    dm._on_pong(m.Pong(seq=0, endpoint=pm.endpoint, instance_id=pm.instance_id))  # same process: proves nothing
+    dm._liveness.on_pong(m.Pong(seq=0, endpoint=pm.endpoint, instance_id=pm.instance_id))  # same process: proves nothing
     assert recv.fenced()
-    dm._on_pong(m.Pong(seq=0, endpoint=pm.endpoint, instance_id="a-restarted-process"))
-    dm._on_pong(m.Pong(seq=0, endpoint=pm.endpoint, instance_id="a-restarted-process"))
+    dm._liveness.on_pong(m.Pong(seq=0, endpoint=pm.endpoint, instance_id="a-restarted-process"))
+    dm._liveness.on_pong(m.Pong(seq=0, endpoint=pm.endpoint, instance_id="a-restarted-process"))
     assert not recv.fenced() and released == [1]
 
 

@@ -101,7 +101,7 @@ def test_decode_with_unusable_status_endpoint_is_refused_and_fails_only_its_room
     assert late.poll() is KVPoll.Failed and "status endpoint" in (late.failure_reason or "")
     late.abort("client went away")  # must not raise (it used to raise ZMQError from connect)
     early.abort("client went away")
-    assert "bad-session" in pm._rejected and "bad-session" not in pm._peers
+    assert "bad-session" in pm.tables()["rejected"] and "bad-session" not in pm.tables()["decodes"]
     ok_sender.send([2], last_chunk=True)
     assert until_terminal(ok_sender)[0] is KVPoll.Success and until_terminal(ok_recv)[0] is KVPoll.Success
     wait_for(lambda: pm.num_rooms() == 0)
@@ -116,7 +116,7 @@ def test_abort_from_a_decode_with_unusable_endpoint_still_fails_the_room(
     sock.send(m.encode(m.AbortRoom(room=6, session_id="s", status_endpoint=BAD, reason="gone")))
     st, took = until_terminal(sender)
     assert st is KVPoll.Failed and took < 0.5
-    wait_for(lambda: 6 in pm._tombstones)
+    wait_for(lambda: 6 in pm.tables()["tombstones"])
     assert pm.create_sender(6).poll() is KVPoll.Failed
 
 
@@ -260,7 +260,7 @@ def test_a_room_the_prefill_rejected_fails_on_the_decode_at_once(cluster: Cluste
     wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
     if info_first:
         recv.init([1, 2], 0)
-        wait_for(lambda: 4 in pm._orphans)
+        wait_for(lambda: 4 in pm.tables()["orphans"])
     sender = pm.create_sender(4)
     sender.abort("prompt of 9000 tokens exceeds the context length 8192")
     assert sender.poll() is KVPoll.Failed  # released: the manager keeps only a tombstone
@@ -279,7 +279,7 @@ def test_decode_reject_room_fails_the_prefill_sender_now(cluster: Cluster) -> No
     st, took = until_terminal(early)
     assert st is KVPoll.Failed and "already running" in (early.failure_reason or "") and took < 0.5
     dm.reject_room(2, ADDR, "prompt does not fit")  # the prefill gets the request later
-    wait_for(lambda: 2 in pm._tombstones)
+    wait_for(lambda: 2 in pm.tables()["tombstones"])
     late = pm.create_sender(2)
     assert late.poll() is KVPoll.Failed and "does not fit" in (late.failure_reason or "")
     assert dm.num_rooms() == 0

@@ -21,7 +21,8 @@ from transfer.errors import TransferError
 log = logging.getLogger(__name__)
 
 
-def _auto_protocol() -> str:
+def auto_protocol() -> str:
+    """What ``protocol="auto"`` picks: "rdma" when this host has an RDMA device, else "tcp"."""
     ib = "/sys/class/infiniband"
     return "rdma" if os.path.isdir(ib) and os.listdir(ib) else "tcp"
 
@@ -47,7 +48,7 @@ class MooncakeDataPlane(DataPlane):
             from mooncake.engine import TransferEngine
         except ImportError as exc:
             raise TransferError("mooncake backend needs mooncake-transfer-engine(-non-cuda) installed") from exc
-        proto = _auto_protocol() if protocol == "auto" else protocol
+        proto = auto_protocol() if protocol == "auto" else protocol
         self._engine = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", proto, device)
         if rc != 0:

@@ -1,9 +1,11 @@
-"""The decode side of ``python -m transfer.bench`` (a child process), and helpers both sides share.
+"""The decode side of ``python -m common.tools.bench_transfer`` (a child process), and helpers both
+sides share.
 
-The parent (``transfer.bench``, through ``Child`` below) plays the prefill: it owns the source KV, the ``PrefillKVManager``s,
-a raw mooncake engine and the memcpy target. This child plays the decode: it owns the destination
-KV, one ``DecodeKVManager`` per backend and the receiving end of the raw socket. Commands arrive as
-tuples over a pipe; each gets exactly one reply, ``("ok", value)`` or ``("err", text)``::
+The parent (``common.tools.bench_transfer``, through ``Child`` below) plays the prefill: it owns
+the source KV, the ``PrefillKVManager``s, a raw mooncake engine and the memcpy target. This child
+plays the decode: it owns the destination KV, one ``DecodeKVManager`` per backend and the
+receiving end of the raw socket. Commands arrive as tuples over a pipe; each gets exactly one
+reply, ``("ok", value)`` or ``("err", text)``::
 
     ("setup", spec: RigSpec)                      -> {"sessions": {backend: id}, "kv_base": int, "sock_port": int}
     ("room", backend, room, addr, dst_pages, aux)  -> {"status", "reason", "t_ready", "t_done", "aux"}

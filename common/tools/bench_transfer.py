@@ -1,7 +1,8 @@
-"""``python -m transfer.bench``: move one request's KV between two processes, five ways, side by side.
+"""``python -m common.tools.bench_transfer``: move one request's KV between two processes, five
+ways, side by side.
 
-This process plays the prefill, a child (``transfer._bench_peer``) the decode. For every page size
-and fragmentation, one request's pages (all layers, K and V) go over::
+This process plays the prefill, a child (``common.tools.bench_transfer_peer``) the decode. For
+every page size and fragmentation, one request's pages (all layers, K and V) go over::
 
     sender        PrefillKVManager/KVSender -> mooncake -> DecodeKVManager/KVReceiver: the real
                   path (bootstrap lookup, ZMQ control plane, run merging, worker thread, status)
@@ -39,9 +40,9 @@ from typing import Any
 
 import torch
 
-from transfer import _bench_peer as peer
+from common.tools import bench_transfer_peer as peer
 from transfer import descriptors as d
-from transfer.backends.mooncake import _auto_protocol  # imports mooncake itself only when an engine starts
+from transfer.backends.mooncake import auto_protocol  # imports mooncake itself only when an engine starts
 from transfer.base import DataPlane
 from transfer.descriptors import Descriptors
 
@@ -212,7 +213,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         from mooncake.engine import TransferEngine
 
         raw = TransferEngine()
-        if raw.initialize("127.0.0.1", "P2PHANDSHAKE", _auto_protocol(), "") != 0:
+        if raw.initialize("127.0.0.1", "P2PHANDSHAKE", auto_protocol(), "") != 0:
             raise RuntimeError("raw mooncake engine failed to initialize")
     capacity = lay.capacity(list(cfg.page_sizes))
     src = torch.empty(capacity, dtype=torch.uint8)  # [capacity]: every prefill buffer, carved per page size
@@ -308,7 +309,7 @@ def machine_info(load_before: tuple[float, ...], load_after: tuple[float, ...]) 
 
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                             "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": load_after,
-                            "mooncake_protocol": _auto_protocol()}
+                            "mooncake_protocol": auto_protocol()}
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
@@ -350,7 +351,7 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
-    p = argparse.ArgumentParser(prog="python -m transfer.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m common.tools.bench_transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{lay.dtype_bytes} B = {lay.request_nbytes(1) / 1e6:.1f} MB per request", file=sys.stderr)
     print(HEADER, file=sys.stderr)
     report = run(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
-    report["command"] = " ".join(["python -m transfer.bench", *(sys.argv[1:] if argv is None else argv)])
+    report["command"] = " ".join(["python -m common.tools.bench_transfer", *(sys.argv[1:] if argv is None else argv)])
     print(markdown(report))
     if json_path:
         with open(json_path, "w") as f:
