@@ -220,7 +220,6 @@ class Sampler:
         if len(params) != bsz or len(output_ids) != bsz:
             raise ValueError(f"batch of {bsz} logits rows, {len(params)} params, {len(output_ids)} output_ids")
         logits = logits.float()  # [B, V] (no-op for float32)
-        device = logits.device
         top_nums = [p.top_logprobs_num for p in params]
         want_lp = [p.return_logprob for p in params]
         # Raw logprobs, before anything below changes the logits.
