@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from common import envs
 from common.config import NodeConfig
 from common.protocol import AbortReq, GenerateReq, IpcEndpoints
-from common.sched.decode_budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.sched.node_io import NodeIO
 from common.sched.stop import StopChecker
 from common.server.node_launch import advertise_host, run_scheduler_process

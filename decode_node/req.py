@@ -24,7 +24,7 @@ from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import ReqKV
 from common.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
-from common.sched.decode_budget import Holder
+from decode_node.budget import Holder
 from common.timeline import StageClock
 from transfer.aux import AuxRecord
 from transfer.base import KVReceiver

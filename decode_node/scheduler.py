@@ -2,7 +2,7 @@
 ``ReqOutput``s); ``decode_node.process`` feeds it from ZMQ. One ``step`` moves every queue once::
 
     GenerateReq ──add──> prealloc: KVReceiver(room) bootstraps (finds the prefill, registers our buffers)
-        │  handshake done AND both memory checks pass (common.sched.decode_budget):
+        │  handshake done AND both memory checks pass (decode_node.budget):
         │      row + prompt pages + aux slot; receiver.init() sends TransferInfo
         v
     transfer: poll() ──Failed──> pages + aux slot freed, 503 naming the cause
@@ -42,7 +42,7 @@ from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import KVMemory
 from common.protocol import GenerateReq, ReqOutput
 from common.request import FinishReason
-from common.sched.decode_budget import DecodeBudget, NewTokenRatio
+from decode_node.budget import DecodeBudget, NewTokenRatio
 from common.sched.stop import StopChecker
 from decode_node.queues import DecodeQueues
 from decode_node.req import AuxSlots, DecodeReq, Engine, ReceiverFactory, Stage

@@ -28,7 +28,7 @@ from common.protocol import IpcEndpoints
 from common.sched.node_io import NodeIO
 from common.server.node_launch import advertise_host, run_scheduler_process
 from transfer.aux import AUX_TOP_K
-from common.sched.prefill_adder import PrefillBudget
+from prefill_node.adder import PrefillBudget
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
 

@@ -46,7 +46,7 @@ from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import KVMemory
 from common.protocol import AbortReq, GenerateReq, ReqOutput
 from common.request import FinishReason
-from common.sched.prefill_adder import Policy, PrefillAdder, PrefillBudget, order_waiting
+from prefill_node.adder import Policy, PrefillAdder, PrefillBudget, order_waiting
 from common.sched.stop import StopChecker
 from prefill_node.queues import PrefillQueues
 from prefill_node.req import PrefillReq, aux_record, failed, local_answer

@@ -20,7 +20,7 @@ from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.protocol import GenerateReq, ReqOutput
 from common.request import SamplingParams
-from common.sched.decode_budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.sched.stop import StopChecker
 from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats

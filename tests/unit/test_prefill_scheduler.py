@@ -20,7 +20,7 @@ from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.protocol import AbortReq, GenerateReq, ReqOutput
 from common.request import SamplingParams
-from common.sched.prefill_adder import PrefillBudget
+from prefill_node.adder import PrefillBudget
 from common.sched.stop import StopChecker
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
