@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from common import envs
 from common.config import ConfigError, NodeConfig, SchedulerConfig, resolve
-from common.protocol import IpcEndpoints
+from common.ipc.protocol import IpcEndpoints
 from common.server.config import ApiConfig
 from common.server.launch import run_api_server
 from common.server.node_launch import (

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import NodeConfig
-from common.protocol import AbortReq, GenerateReq, IpcEndpoints
+from common.ipc.protocol import AbortReq, GenerateReq, IpcEndpoints
 from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
-from common.sched.node_io import NodeIO
+from common.ipc.node_io import NodeIO
 from common.sched.stop import StopChecker
 from common.server.node_launch import advertise_host, run_scheduler_process
 from transfer.aux import AUX_TOP_K

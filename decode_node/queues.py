@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from common.kvcache.req_kv import KVMemory
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason
 from decode_node.req import AuxSlots, DecodeReq, ReceiverFactory, Stage
 

@@ -22,7 +22,7 @@ from common.engine.driver import SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk
 from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import ReqKV
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
 from decode_node.budget import Holder
 from common.timeline import StageClock

@@ -40,7 +40,7 @@ from common.engine.driver import SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk
 from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import KVMemory
-from common.protocol import GenerateReq, ReqOutput
+from common.ipc.protocol import GenerateReq, ReqOutput
 from common.request import FinishReason
 from decode_node.budget import DecodeBudget, NewTokenRatio
 from common.sched.stop import StopChecker

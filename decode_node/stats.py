@@ -1,4 +1,4 @@
-"""What the decode scheduler tells the ops endpoints (``common.sched.node_io.NodeStats``).
+"""What the decode scheduler tells the ops endpoints (``common.ipc.node_io.NodeStats``).
 
 ``/debug/memory`` is the leak detector used by every e2e scenario: once a node is idle, its free
 pages, request rows and aux slots must equal the totals again and ``integrity`` must be "ok".
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.sched.node_io import RateMeter
+from common.ipc.node_io import RateMeter
 from decode_node.scheduler import DecodeScheduler
 
 

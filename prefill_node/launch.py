@@ -9,7 +9,7 @@
     ------------                                       ---------------
     1. BootstrapServer on B (thread)   <-- PUT /route --  PrefillKVManager registers its rank
     2. spawn scheduler, wait for "ready" <-- pipe -----   model loaded, pools built, rank registered
-    3. uvicorn: FastAPI app  <== ZMQ ipc (common.protocol) ==>  scheduler loop
+    3. uvicorn: FastAPI app  <== ZMQ ipc (common.ipc.protocol) ==>  scheduler loop
     4. on exit: SIGTERM the scheduler (SIGKILL after a grace period), stop the bootstrap server
 
 Start-up fails fast with exit status 1 and the reason when the scheduler cannot start (bad model,
@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from common import envs
 from common.config import ConfigError, NodeConfig, SchedulerConfig, resolve
-from common.protocol import IpcEndpoints
+from common.ipc.protocol import IpcEndpoints
 from common.server.config import ApiConfig
 from common.server.node_launch import (
     SchedulerChild,

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import NodeConfig
-from common.protocol import IpcEndpoints
-from common.sched.node_io import NodeIO
+from common.ipc.protocol import IpcEndpoints
+from common.ipc.node_io import NodeIO
 from common.server.node_launch import advertise_host, run_scheduler_process
 from transfer.aux import AUX_TOP_K
 from prefill_node.adder import PrefillBudget

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from common.kvcache.req_kv import KVMemory
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from prefill_node.req import PrefillReq, aborted, failed, transferred
 from transfer.poll import KVPoll
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import ReqKV
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
 from common.timeline import StageClock
 from transfer.aux import AuxRecord

@@ -44,7 +44,7 @@ from common.engine.driver import SampleSpec
 from common.engine.model_runner import ExtendChunk
 from common.engine.sampler import SampledToken
 from common.kvcache.req_kv import KVMemory
-from common.protocol import AbortReq, GenerateReq, ReqOutput
+from common.ipc.protocol import AbortReq, GenerateReq, ReqOutput
 from common.request import FinishReason
 from prefill_node.adder import Policy, PrefillAdder, PrefillBudget, order_waiting
 from common.sched.stop import StopChecker

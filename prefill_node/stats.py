@@ -1,4 +1,4 @@
-"""What the prefill scheduler shows the ops endpoints (``common.sched.node_io.NodeStats``).
+"""What the prefill scheduler shows the ops endpoints (``common.ipc.node_io.NodeStats``).
 
 Read between two steps by ``NodeIO.recv``, so every number describes one consistent state.
 Idle baseline of ``/debug/memory`` (what a leak test compares against): every queue empty,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.sched.node_io import RateMeter
+from common.ipc.node_io import RateMeter
 from prefill_node.scheduler import PrefillScheduler
 
 

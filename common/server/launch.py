@@ -13,10 +13,10 @@ import uvicorn
 
 from common import envs
 from common.cpu_budget import limit_api_process
-from common.protocol import IpcEndpoints
+from common.ipc.protocol import IpcEndpoints
 from common.server.app import create_app
 from common.server.config import ApiConfig
-from common.server.scheduler_client import SchedulerClient
+from common.ipc.scheduler_client import SchedulerClient
 from common.server.textio import TokenizerLike
 
 

@@ -29,7 +29,7 @@ from common import envs
 from common.auth import SecretError, resolve_secret
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, ServerConfig, TransferConfig
 from common.cpu_budget import CpuBudgetError, CpuConfig, apply_scheduler_budget, cpu_config
-from common.protocol import IpcEndpoints
+from common.ipc.protocol import IpcEndpoints
 
 log = logging.getLogger(__name__)
 

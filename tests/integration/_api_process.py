@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from common import envs  # noqa: E402
-from common.protocol import IpcEndpoints  # noqa: E402
+from common.ipc.protocol import IpcEndpoints  # noqa: E402
 from common.server import ApiConfig, pid_alive, run_api_server  # noqa: E402
 
 

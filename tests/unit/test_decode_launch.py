@@ -59,7 +59,7 @@ def test_startup_failure_after_the_manager_closes_it(tiny_qwen3: str, monkeypatc
 
     import transfer
     from common.config import resolve
-    from common.protocol import IpcEndpoints
+    from common.ipc.protocol import IpcEndpoints
     from decode_node.process import DecodeOptions, DecodeProcess
     from transfer.backends.fake import FakeDataPlane
 

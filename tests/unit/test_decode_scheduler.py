@@ -18,7 +18,7 @@ from common.kvcache.allocator import PageAllocator
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
-from common.protocol import GenerateReq, ReqOutput
+from common.ipc.protocol import GenerateReq, ReqOutput
 from common.request import SamplingParams
 from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.sched.stop import StopChecker

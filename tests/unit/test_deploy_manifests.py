@@ -250,7 +250,7 @@ def _render(kdir: Path) -> Rendered:
 def _app_get_routes() -> set[str]:
     from common.server.app import create_app
     from common.server.config import ApiConfig
-    from common.server.scheduler_client import SchedulerClient
+    from common.ipc.scheduler_client import SchedulerClient
 
     # Building the app binds nothing: sockets open in its lifespan, which never runs here.
     client = SchedulerClient("ipc:///nonexistent-to", "ipc:///nonexistent-from")

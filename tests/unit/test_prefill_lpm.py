@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from common.kvcache.allocator import PageAllocator
 from common.kvcache.radix_cache import RadixCache
-from common.protocol import AbortReq
+from common.ipc.protocol import AbortReq
 from tests.unit.test_prefill_scheduler import Node, gen, prompt
 from transfer.poll import KVPoll
 

@@ -10,7 +10,7 @@ import zmq
 
 import transfer
 from common.config import NodeConfig, resolve
-from common.protocol import GenerateReq, IpcEndpoints
+from common.ipc.protocol import GenerateReq, IpcEndpoints
 from common.request import SamplingParams
 from prefill_node.launch import build_parser, config_from_args
 from prefill_node.process import PrefillOptions, PrefillProcess

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from common.protocol import AbortReq, ReqOutput
+from common.ipc.protocol import AbortReq, ReqOutput
 from prefill_node.process import PrefillProcess
 from tests.unit.test_prefill_scheduler import Node, StubSender, _release_blocker, _to_stage, gen, prompt
 from transfer.poll import KVPoll
