@@ -33,7 +33,7 @@ from common.server.node_launch import (
     server_config,
     transfer_config,
 )
-from decode_node.process import DecodeOptions, run_scheduler
+from decode_node.process import run_scheduler
 
 log = logging.getLogger("decode_node")
 
@@ -41,36 +41,34 @@ log = logging.getLogger("decode_node")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdcluster decode", description="run a decode node (API + scheduler)")
     add_node_flags(p, port=30001)
-    p.add_argument("--num-reserved-decode-tokens", type=int, default=DecodeOptions.reserved_decode_tokens,
+    p.add_argument("--num-reserved-decode-tokens", type=int, default=SchedulerConfig.reserved_decode_tokens,
                    help="KV headroom kept per running request when admitting new rooms")
     p.add_argument("--schedule-conservativeness", type=float, default=1.0,
                    help="scales the decode headroom ratio (new_token_ratio); < 1 admits more rooms and retracts more")
     return p
 
 
-def _sched_config(conservativeness: float) -> SchedulerConfig:
+def _sched_config(conservativeness: float, reserved_decode_tokens: int) -> SchedulerConfig:
     """SGLang's --schedule-conservativeness: both ends of the new_token_ratio schedule scale with it."""
     if conservativeness <= 0:
         raise ConfigError(f"--schedule-conservativeness must be > 0, got {conservativeness}")
     base = SchedulerConfig()
     init = min(base.new_token_ratio_init * conservativeness, 1.0)
-    return replace(base, new_token_ratio_init=init, new_token_ratio_min=min(base.new_token_ratio_min * conservativeness, init))
+    return replace(base, new_token_ratio_init=init, new_token_ratio_min=min(base.new_token_ratio_min * conservativeness, init),
+                   reserved_decode_tokens=reserved_decode_tokens)
 
 
-def config_from_args(a: argparse.Namespace) -> tuple[NodeConfig, DecodeOptions]:
-    cfg = NodeConfig(
+def config_from_args(a: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
         role="decode",
         model=model_config(a),
         cache=cache_config(a, enable_prefix_cache=False),
-        sched=_sched_config(a.schedule_conservativeness),
+        sched=_sched_config(a.schedule_conservativeness, a.num_reserved_decode_tokens),
         attention=attention_config(a),
         transfer=transfer_config(a),
         server=server_config(a),
         cpu=cpu_slice(a),
     )
-    if a.num_reserved_decode_tokens < 1:
-        raise ConfigError(f"--num-reserved-decode-tokens must be >= 1, got {a.num_reserved_decode_tokens}")
-    return resolve(cfg), DecodeOptions(reserved_decode_tokens=a.num_reserved_decode_tokens)
 
 
 def _watch_scheduler(proc: multiprocessing.process.BaseProcess, stopping: threading.Event, died: threading.Event) -> None:
@@ -85,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s decode-api %(name)s: %(message)s")
     try:
-        cfg, opts = config_from_args(args)
+        cfg = resolve(config_from_args(args))
         api_cfg = ApiConfig.from_node_config(cfg)
         api_cfg.validate()
     except ConfigError as exc:
         print(f"pdcluster decode: {exc}", file=sys.stderr)
         return 2
     endpoints = IpcEndpoints.fresh()
-    child = SchedulerChild(run_scheduler, (cfg, opts, endpoints), "pdc-decode-scheduler", endpoints)
+    child = SchedulerChild(run_scheduler, (cfg, endpoints), "pdc-decode-scheduler", endpoints)
     stopping, died = threading.Event(), threading.Event()
     try:
         child.start()

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,6 @@ from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.ipc.node_io import NodeIO
 from common.sched.stop import StopChecker
 from common.server.node_launch import advertise_host, run_scheduler_process
-from transfer.aux import AUX_TOP_K
 from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats
 
@@ -43,37 +42,26 @@ POLL_WAIT_S = 0.02
 IDLE_WAIT_S = 0.05  # nothing in flight at all: a message still wakes the loop at once
 
 
-@dataclass(frozen=True)
-class DecodeOptions:
-    """Decode-only settings that have no home in ``NodeConfig``."""
-
-    reserved_decode_tokens: int = 128
-    # Request rows beyond max_running_requests, for rooms in transfer and waiting: without them a
-    # full running batch would stop all pre-allocation and the next requests' transfers.
-    prealloc_rows: int | None = None  # None -> max_running_requests
-    aux_top_k: int = AUX_TOP_K
-
-
 class DecodeProcess:
     """Everything the scheduler process owns; ``close`` releases it (manager threads, engine, sockets)."""
 
-    def __init__(self, cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints) -> None:
+    def __init__(self, cfg: NodeConfig, endpoints: IpcEndpoints) -> None:
         from common.engine.model_runner import ModelRunner
         from common.tokenizer import Tokenizer
         from transfer import AuxPool, DecodeKVManager, HttpBootstrapClient, KVArgs, KVManagerConfig, create_data_plane
 
         max_running = cfg.cache.max_running_requests
-        rows = max_running + (opts.prealloc_rows if opts.prealloc_rows is not None else max_running)
+        rows = max_running + (cfg.sched.prealloc_rows if cfg.sched.prealloc_rows is not None else max_running)
         # Received KV is never cached here (see docs/ARCHITECTURE.md, "Decode node").
         cache_cfg = replace(cfg.cache, max_running_requests=rows, enable_prefix_cache=False)
         self.runner = ModelRunner(cfg.model, cache_cfg, cfg.attention)
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
-        self.aux = AuxPool(rows, top_k=opts.aux_top_k)
+        self.aux = AuxPool(rows, top_k=cfg.transfer.aux_top_k)
         host = advertise_host(cfg.server.host)
         states = self.runner.state_pool  # hybrid models: per-request recurrent state, sent with the KV
         args = KVArgs(layout=self.runner.kv_pool.layout, kv=KVArgs.kv_from_pool(self.runner.kv_pool),
                       state=KVArgs.state_from_pool(states), state_layout=None if states is None else states.layout,
-                      aux=self.aux.buffers(), aux_top_k=opts.aux_top_k, host=host)
+                      aux=self.aux.buffers(), aux_top_k=cfg.transfer.aux_top_k, host=host)
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
                                        device=envs.MOONCAKE_DEVICE.get())
         try:  # the manager owns the data plane only once it is constructed
@@ -83,12 +71,12 @@ class DecodeProcess:
             data_plane.close()
             raise
         try:
-            self._build_loop(cfg, opts, endpoints, tokenizer, max_running, rows)
+            self._build_loop(cfg, endpoints, tokenizer, max_running, rows)
         except BaseException:  # stop the transfer threads, close the data plane
             self.manager.close()
             raise
 
-    def _build_loop(self, cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints, tokenizer: Tokenizer,
+    def _build_loop(self, cfg: NodeConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer,
                     max_running: int, rows: int) -> None:
         from common.engine.driver import EngineDriver
         from common.engine.sampler import Sampler
@@ -96,7 +84,7 @@ class DecodeProcess:
         memory = self.runner.memory
         bcfg = DecodeBudgetConfig(
             page_size=cfg.cache.page_size, total_pages=memory.allocator.num_total,
-            reserved_decode_tokens=opts.reserved_decode_tokens, ratio_init=cfg.sched.new_token_ratio_init,
+            reserved_decode_tokens=cfg.sched.reserved_decode_tokens, ratio_init=cfg.sched.new_token_ratio_init,
             ratio_min=min(cfg.sched.new_token_ratio_min, cfg.sched.new_token_ratio_init),
             ratio_decay_steps=cfg.sched.new_token_ratio_decay_steps)
         chunk = cfg.sched.chunked_prefill_size if cfg.sched.chunked_prefill_size > 0 else cfg.sched.max_prefill_tokens
@@ -158,7 +146,7 @@ class DecodeProcess:
         self.io.close()
 
 
-def run_scheduler(cfg: NodeConfig, opts: DecodeOptions, endpoints: IpcEndpoints, ready: Connection) -> None:
+def run_scheduler(cfg: NodeConfig, endpoints: IpcEndpoints, ready: Connection) -> None:
     """Entry point of the scheduler process (``multiprocessing`` target). Reports ``("ready", info)``
     or ``("error", reason)`` on ``ready`` once start-up is over, so the launcher fails fast."""
-    run_scheduler_process("decode-sched", lambda: DecodeProcess(cfg, opts, endpoints), ready, cfg.cpu)
+    run_scheduler_process("decode-sched", lambda: DecodeProcess(cfg, endpoints), ready, cfg.cpu)

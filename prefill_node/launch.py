@@ -38,7 +38,7 @@ from common.server.node_launch import (
     server_config,
     transfer_config,
 )
-from prefill_node.process import PrefillOptions, run_scheduler
+from prefill_node.process import run_scheduler
 
 log = logging.getLogger("prefill_node")
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.server import run_api_server
 
     endpoints = IpcEndpoints.fresh()
-    child = SchedulerChild(run_scheduler, (cfg, PrefillOptions(), endpoints, bootstrap_url(ns.host, cfg.transfer.bootstrap_port)),
+    child = SchedulerChild(run_scheduler, (cfg, endpoints, bootstrap_url(ns.host, cfg.transfer.bootstrap_port)),
                            "pdc-prefill-scheduler", endpoints)
     boot = BootstrapServer(ns.host, cfg.transfer.bootstrap_port, health_check=child.alive,
                            secret=cfg.transfer.cluster_secret)

@@ -18,7 +18,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,6 @@ from common.config import NodeConfig
 from common.ipc.protocol import IpcEndpoints
 from common.ipc.node_io import NodeIO
 from common.server.node_launch import advertise_host, run_scheduler_process
-from transfer.aux import AUX_TOP_K
 from prefill_node.adder import PrefillBudget
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
@@ -43,17 +41,10 @@ BUSY_WAIT_S = 0.02
 IDLE_WAIT_S = 0.05  # nothing in flight: wake this often to notice a vanished parent
 
 
-@dataclass(frozen=True)
-class PrefillOptions:
-    """Prefill-only settings that have no home in ``NodeConfig``."""
-
-    aux_top_k: int = AUX_TOP_K
-
-
 class PrefillProcess:
     """Everything the scheduler process owns; ``close`` releases it (transfer threads, engine, sockets)."""
 
-    def __init__(self, cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, bootstrap_url: str) -> None:
+    def __init__(self, cfg: NodeConfig, endpoints: IpcEndpoints, bootstrap_url: str) -> None:
         from common.engine.model_runner import ModelRunner
         from common.tokenizer import Tokenizer
         from transfer import AuxPool, HttpBootstrapClient, KVArgs, KVManagerConfig, PrefillKVManager, create_data_plane
@@ -62,12 +53,12 @@ class PrefillProcess:
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         # The transfer workers stage each aux record in rows of their own; this one-row pool
         # only gives the layout (row size) that the decode's aux rows must match.
-        aux_layout = AuxPool(1, top_k=opts.aux_top_k)
+        aux_layout = AuxPool(1, top_k=cfg.transfer.aux_top_k)
         host = advertise_host(cfg.server.host)
         states = self.runner.state_pool  # hybrid models: per-request recurrent state, sent with the KV
         args = KVArgs(layout=self.runner.kv_pool.layout, kv=KVArgs.kv_from_pool(self.runner.kv_pool),
                       state=KVArgs.state_from_pool(states), state_layout=None if states is None else states.layout,
-                      aux=aux_layout.buffers(), aux_top_k=opts.aux_top_k, host=host)
+                      aux=aux_layout.buffers(), aux_top_k=cfg.transfer.aux_top_k, host=host)
         self._aux_layout = aux_layout  # registered memory: keep it alive as long as the manager
         data_plane = create_data_plane(cfg.transfer.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
                                        device=envs.MOONCAKE_DEVICE.get(), transfer_timeout_s=cfg.transfer.write_timeout_s)
@@ -78,12 +69,12 @@ class PrefillProcess:
             data_plane.close()
             raise
         try:
-            self._build_loop(cfg, opts, endpoints, tokenizer)
+            self._build_loop(cfg, endpoints, tokenizer)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
             raise
 
-    def _build_loop(self, cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, tokenizer: Tokenizer) -> None:
+    def _build_loop(self, cfg: NodeConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer) -> None:
         from common.engine.driver import EngineDriver
         from common.engine.sampler import Sampler
         from common.sched.stop import StopChecker
@@ -92,7 +83,7 @@ class PrefillProcess:
             budget=PrefillBudget.from_flags(cfg.sched.max_prefill_tokens, cfg.sched.chunked_prefill_size),
             policy=cfg.sched.schedule_policy,
             transfer_timeout_s=cfg.transfer.waiting_timeout_s,
-            aux_top_k=opts.aux_top_k,
+            aux_top_k=cfg.transfer.aux_top_k,
             context_len=self.runner.context_length,
         )
         self.scheduler = PrefillScheduler(EngineDriver(self.runner, Sampler()), self.runner.memory,
@@ -139,11 +130,11 @@ class PrefillProcess:
         self.io.close()
 
 
-def run_scheduler(cfg: NodeConfig, opts: PrefillOptions, endpoints: IpcEndpoints, bootstrap_url: str,
+def run_scheduler(cfg: NodeConfig, endpoints: IpcEndpoints, bootstrap_url: str,
                   ready: Connection | None = None) -> None:
     """Entry point of the scheduler process (a ``multiprocessing`` spawn target).
 
     Sends ``("ready", info)`` on ``ready`` once the model is loaded and the rank registered with
     the bootstrap server, or ``("error", message)`` if start-up failed.
     """
-    run_scheduler_process("prefill-sched", lambda: PrefillProcess(cfg, opts, endpoints, bootstrap_url), ready, cfg.cpu)
+    run_scheduler_process("prefill-sched", lambda: PrefillProcess(cfg, endpoints, bootstrap_url), ready, cfg.cpu)

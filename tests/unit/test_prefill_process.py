@@ -13,7 +13,7 @@ from common.config import NodeConfig, resolve
 from common.ipc.protocol import GenerateReq, IpcEndpoints
 from common.request import SamplingParams
 from prefill_node.launch import build_parser, config_from_args
-from prefill_node.process import PrefillOptions, PrefillProcess
+from prefill_node.process import PrefillProcess
 from tests.unit.transfer_harness import MemoryBootstrap
 from transfer.backends.fake import FakeDataPlane
 
@@ -55,7 +55,7 @@ def test_data_plane_is_closed_when_the_manager_cannot_start(tiny_qwen3: str, tra
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "HttpBootstrapClient", RefusingBootstrap)
     with pytest.raises(transfer.TransferError, match="bootstrap server not up"):
-        PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), IpcEndpoints.fresh(), BOOT)
+        PrefillProcess(node_config(tiny_qwen3), IpcEndpoints.fresh(), BOOT)
     (plane,) = tracked
     assert plane.closed
 
@@ -66,7 +66,7 @@ def test_manager_is_closed_when_a_later_part_cannot_start(tiny_qwen3: str, track
     monkeypatch.setattr(transfer, "HttpBootstrapClient", lambda: boot)
     bad = IpcEndpoints(to_scheduler="ipc:///nonexistent-dir/pdc-in", from_scheduler="ipc:///nonexistent-dir/pdc-out")
     with pytest.raises(zmq.ZMQError):  # NodeIO cannot bind its socket
-        PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), bad, BOOT)
+        PrefillProcess(node_config(tiny_qwen3), bad, BOOT)
     (plane,) = tracked
     assert plane.closed
     assert boot.registries[BOOT].layout() is None, "the rank is deregistered"
@@ -80,7 +80,7 @@ def test_prompts_of_the_context_length_are_refused_before_any_pool(tiny_qwen3: s
     tokens leaves no room for a token and is refused like the API would."""
     boot = MemoryBootstrap()
     monkeypatch.setattr(transfer, "HttpBootstrapClient", lambda: boot)
-    proc = PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), IpcEndpoints.fresh(str(tmp_path)), BOOT)
+    proc = PrefillProcess(node_config(tiny_qwen3), IpcEndpoints.fresh(str(tmp_path)), BOOT)
     try:
         sched = proc.scheduler
         assert sched.memory.req_to_token.max_context_len == 48 and sched.cfg.context_len == 40
