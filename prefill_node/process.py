@@ -102,7 +102,7 @@ class PrefillProcess:
         parent = os.getppid()
         next_check = time.monotonic() + 1.0
         while not stop.is_set():
-            wait = 0.0 if sched.has_runnable() else BUSY_WAIT_S if sched.reqs else IDLE_WAIT_S
+            wait = 0.0 if sched.runnable() else IDLE_WAIT_S if sched.idle() else BUSY_WAIT_S
             items = io.recv(wait)
             try:
                 outputs = sched.step(items)

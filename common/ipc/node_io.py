@@ -39,13 +39,12 @@ from common.ipc.protocol import (
     QueryReply,
     QueryReq,
     ReqOutput,
+    WorkItem,
     decode_to_scheduler,
     encode,
 )
 
 log = logging.getLogger(__name__)
-
-WorkItem = GenerateReq | AbortReq
 
 _SNDHWM = 100_000  # outgoing messages queued for the API before sends are dropped
 

@@ -112,6 +112,7 @@ class QueryReq(msgspec.Struct, tag="query", **_STRUCT_OPTS):
 
 
 ToScheduler = GenerateReq | AbortReq | FlushCacheReq | QueryReq
+WorkItem = GenerateReq | AbortReq  # what a scheduler's step() takes; NodeIO answers the queries itself
 
 
 # ---- scheduler -> API --------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def raising_abort(s: StubSender, times: int = 1) -> None:
 
 def run_until_idle(node: Node, steps: int = 20) -> None:
     for _ in range(steps):
-        if not node.sched.reqs:
+        if not node.sched.queues.reqs:
             break
         node.step()
     node.assert_idle()
@@ -156,10 +156,11 @@ class _LoopIO:
 
 
 class _Broken:
-    reqs: dict = {}
-
-    def has_runnable(self) -> bool:
+    def runnable(self) -> bool:
         return False
+
+    def idle(self) -> bool:
+        return True
 
     def step(self, items: list) -> list[ReqOutput]:
         raise Boom("step")
