@@ -3,8 +3,8 @@
 
 ::
 
-    NodeIO.recv (GenerateReq / AbortReq; queries answered inside)  ->  scheduler.add / abort
-    scheduler.step()  ->  NodeIO.send(outputs)                       (repeat; never blocks long)
+    NodeIO.recv (GenerateReq / AbortReq; queries answered inside)
+      -> DecodeScheduler.step(msgs) -> NodeIO.send(outputs)        (repeat; never blocks long)
 
 The loop waits for input only when no forward is pending: at most ``POLL_WAIT_S`` while rooms
 are in flight, ``IDLE_WAIT_S`` when nothing is; a message, or a transfer thread reporting a
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import NodeConfig
-from common.ipc.protocol import AbortReq, GenerateReq, IpcEndpoints
+from common.ipc.protocol import IpcEndpoints
 from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.ipc.node_io import NodeIO
 from common.sched.stop import StopChecker
@@ -107,18 +107,14 @@ class DecodeProcess:
         next_check = time.monotonic() + 1.0
         while not stop.is_set():
             t0 = time.perf_counter()
-            steps_before = sched.counters["decode_steps"]
-            busy = sched.busy
-            for msg in io.recv(0.0 if busy else IDLE_WAIT_S if sched.idle else POLL_WAIT_S):
-                if isinstance(msg, GenerateReq):
-                    sched.add(msg)
-                elif isinstance(msg, AbortReq):
-                    sched.abort(msg.rid)
-            if not busy:
+            steps_before = sched.counters.decode_steps
+            runnable = sched.runnable()
+            msgs = io.recv(0.0 if runnable else IDLE_WAIT_S if sched.idle() else POLL_WAIT_S)
+            if not runnable:
                 t0 = time.perf_counter()  # waiting for input is idle time, not step overhead
-            before = sched.counters["generated_tokens"]
+            before = sched.counters.generated_tokens
             try:
-                outputs = sched.step()
+                outputs = sched.step(msgs)
             except Exception as exc:  # a bug must fail the requests, not hang them or kill the node
                 log.exception("decode step failed; failing every request in flight")
                 try:
@@ -126,12 +122,12 @@ class DecodeProcess:
                 except Exception:  # never out of the loop: that would take the node down
                     log.exception("failing the requests in flight failed too")
                     outputs = []
-            self.stats.throughput.add(sched.counters["generated_tokens"] - before)
+            self.stats.throughput.add(sched.counters.generated_tokens - before)
             io.send(outputs)
-            if sched.counters["decode_steps"] != steps_before:
+            if sched.counters.decode_steps != steps_before:
                 # The whole turn of a decode step (input, queues, forward, stop checks, output IPC):
                 # minus decode_forward_seconds it is the per-step overhead `pdcluster bench` reports.
-                sched.counters["decode_step_seconds"] += time.perf_counter() - t0
+                sched.counters.decode_step_seconds += time.perf_counter() - t0
             if time.monotonic() > next_check:
                 next_check = time.monotonic() + 1.0
                 if os.getppid() != parent:
