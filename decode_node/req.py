@@ -208,7 +208,7 @@ class DecodeCounters:
     decode_batch_reqs: int = 0
     decode_forward_seconds: float = 0.0  # in the engine's decode forward
     # The whole loop turn of each step that ran a decode (input, queues, forward, stop checks,
-    # output IPC), added by the node loop through DecodeStats.observe_step: minus
+    # output IPC), added by DecodeStats.observe_step after the turn: minus
     # decode_forward_seconds it is the per-step overhead `pdcluster bench` reports.
     decode_step_seconds: float = 0.0
 

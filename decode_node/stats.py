@@ -8,17 +8,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict
 
-from common.ipc.node_io import RateMeter
+from common.node.contract import RateMeter
 from decode_node.scheduler import DecodeScheduler
 
 
 class DecodeStats:
-    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None,
-                 throughput: RateMeter | None = None) -> None:
+    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None) -> None:
         self.sched = sched
         self.aux_total_slots = aux_total_slots
         self._transfer_rooms = transfer_rooms
-        self.throughput = throughput or RateMeter()
+        self.throughput = RateMeter()
+        self._seen_tokens = self._seen_steps = 0
+
+    def observe_step(self, turn_s: float) -> None:
+        """After each loop turn (``common.node.contract``): feeds the throughput window, and a turn
+        that ran a decode step adds to ``decode_step_seconds`` (the whole turn: input, queues,
+        forward, stop checks, output IPC; minus the forward it is the per-step overhead)."""
+        c = self.sched.counters
+        self.throughput.add(c.generated_tokens - self._seen_tokens)
+        self._seen_tokens = c.generated_tokens
+        if c.decode_steps != self._seen_steps:
+            self._seen_steps = c.decode_steps
+            c.decode_step_seconds += turn_s
 
     def queued(self) -> int:
         return self.sched.queues.num_queued()

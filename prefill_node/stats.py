@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.ipc.node_io import RateMeter
+from common.node.contract import RateMeter
 from prefill_node.scheduler import PrefillScheduler
 
 
@@ -20,8 +20,8 @@ class PrefillStats:
         self._meter = RateMeter()
         self._seen_tokens = 0
 
-    def observe_step(self) -> None:
-        """Call once per loop iteration: feeds the prefill throughput window."""
+    def observe_step(self, turn_s: float) -> None:
+        """After each loop turn (``common.node.contract``): feeds the prefill throughput window."""
         done = self._s.counters.prompt_tokens
         self._meter.add(done - self._seen_tokens)
         self._seen_tokens = done

@@ -1,6 +1,6 @@
 """Start a node's API process: tokenizer + SchedulerClient + app on uvicorn.
 
-Node launchers (prefill_node/launch.py, decode_node/__main__.py) call ``run_api_server`` in the
+The node launcher (``common.node.launch.run_node``, both roles) calls ``run_api_server`` in the
 process that should serve HTTP, once their scheduler is ready; it blocks until shutdown. There is
 no API-only entry point: tests/integration/_api_process.py calls ``run_api_server`` the same way.
 """

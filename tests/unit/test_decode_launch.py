@@ -5,7 +5,7 @@ import pytest
 
 from common.config import ConfigError, resolve
 from decode_node.__main__ import build_parser, config_from_args, main
-from common.server.node_launch import advertise_host
+from common.node.process import advertise_host
 
 
 def parse(model: str, *flags: str):  # type: ignore[no-untyped-def]
@@ -57,9 +57,10 @@ def test_startup_failure_after_the_manager_closes_it(tiny_qwen3: str, monkeypatc
 
     import zmq
 
-    import transfer
+    import transfer.factory
     from common.ipc.protocol import IpcEndpoints
-    from decode_node.process import DecodeProcess
+    from common.node.process import NodeProcess
+    from decode_node.process import DecodePart
     from transfer.backends.fake import FakeDataPlane
 
     closed: list[bool] = []
@@ -69,10 +70,10 @@ def test_startup_failure_after_the_manager_closes_it(tiny_qwen3: str, monkeypatc
             closed.append(True)
             super().close()
 
-    monkeypatch.setattr(transfer, "create_data_plane", lambda *a, **kw: Plane())
+    monkeypatch.setattr(transfer.factory, "create_data_plane", lambda *a, **kw: Plane())
     cfg = parse(tiny_qwen3, "--disaggregation-transfer-backend", "fake", "--max-total-tokens", "256")
     bad = IpcEndpoints(to_scheduler="ipc:///nonexistent-dir/pdc-in", from_scheduler="ipc:///nonexistent-dir/pdc-out")
     with pytest.raises(zmq.ZMQError):
-        DecodeProcess(cfg, bad)
+        NodeProcess(cfg, DecodePart(cfg.sched, cfg.transfer), bad)
     assert closed == [True]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("pdc-")]

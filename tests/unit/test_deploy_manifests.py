@@ -30,7 +30,7 @@ import pytest
 
 from common import envs
 from common.cli import COMMANDS
-from common.server.node_launch import (
+from common.node.launch import (
     STARTUP_TIMEOUT_S,
     STOP_GRACE_S,
     attention_config,
@@ -102,7 +102,7 @@ def _resolve(args: list[str], env: dict[str, str]) -> list[str]:
 
 def _role_parser(role: str) -> argparse.ArgumentParser:
     if role == "prefill":
-        from prefill_node.launch import build_parser
+        from prefill_node.__main__ import build_parser
     else:
         from decode_node.__main__ import build_parser
     return build_parser()

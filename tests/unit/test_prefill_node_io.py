@@ -21,7 +21,8 @@ from common.ipc.protocol import (
     encode,
 )
 from common.request import FinishReason, SamplingParams
-from common.ipc.node_io import NodeIO, RateMeter
+from common.ipc.node_io import NodeIO
+from common.node.contract import RateMeter
 
 
 class Stats:

@@ -3,12 +3,9 @@ request alone; every request is still answered and released exactly once, the qu
 consistent (``check_integrity`` after every step), and later requests keep being served."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from common.ipc.protocol import AbortReq, ReqOutput
-from prefill_node.process import PrefillProcess
+from common.ipc.protocol import AbortReq
 from tests.unit.test_prefill_scheduler import Node, StubSender, _release_blocker, _to_stage, gen, prompt
 from transfer.poll import KVPoll
 
@@ -139,44 +136,3 @@ def test_send_error_other_than_transfer_error_fails_only_that_request() -> None:
     node.sender(2).state = KVPoll.Success
     run_until_idle(node)
     assert node.replies["a"].http_status == 500 and node.replies["b"].error is None
-
-
-class _LoopIO:
-    def __init__(self, stop: threading.Event, turns: int) -> None:
-        self.stop, self.turns, self.sent = stop, turns, 0
-
-    def recv(self, wait: float) -> list:
-        self.turns -= 1
-        if self.turns <= 0:
-            self.stop.set()
-        return []
-
-    def send(self, outputs: list[ReqOutput]) -> None:
-        self.sent += 1
-
-
-class _Broken:
-    def runnable(self) -> bool:
-        return False
-
-    def idle(self) -> bool:
-        return True
-
-    def step(self, items: list) -> list[ReqOutput]:
-        raise Boom("step")
-
-    def fail_all(self, reason: str) -> list[ReqOutput]:
-        raise Boom("fail_all")
-
-
-class _Stats:
-    def observe_step(self) -> None:
-        pass
-
-
-def test_serve_survives_a_step_and_fail_all_that_both_raise() -> None:
-    proc = PrefillProcess.__new__(PrefillProcess)  # the loop only; no model, no sockets
-    stop = threading.Event()
-    proc.scheduler, proc.io, proc.stats = _Broken(), _LoopIO(stop, 3), _Stats()  # type: ignore[assignment]
-    proc.serve(stop)
-    assert proc.io.sent == 3  # type: ignore[attr-defined]

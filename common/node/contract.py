@@ -1,0 +1,91 @@
+"""The contract between the node loop (``common.node.process``) and a role's scheduler and stats.
+
+Both roles' schedulers (``prefill_node.scheduler``, ``decode_node.scheduler``) keep it::
+
+    loop turn:  msgs = NodeIO.recv(wait)      wait: 0 if scheduler.runnable() else longer
+                outputs = scheduler.step(msgs)      (scheduler.fail_all(reason) if step raised)
+                NodeIO.send(outputs)
+                stats.observe_step(turn seconds)
+
+Plain data in (``GenerateReq`` / ``AbortReq``), plain data out (``ReqOutput``): unit tests drive a
+scheduler with hand-made messages and collaborators, no process, socket or model. Each scheduler
+collects a step's outputs in its ``outbox`` list, keeps its running totals in a counters
+dataclass (``PrefillCounters``, ``DecodeCounters``) and its queues in a plain queues object.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+from common.ipc.node_io import NodeStats
+from common.ipc.protocol import ReqOutput, WorkItem
+
+
+class NodeScheduler(Protocol):
+    def step(self, msgs: Sequence[WorkItem]) -> list[ReqOutput]:
+        """Take this turn's messages (in arrival order), move every queue once, and return every
+        output produced since the last call (answers, streamed tokens). Never blocks."""
+        ...
+
+    def fail_all(self, reason: str) -> list[ReqOutput]:
+        """The net after ``step`` raised: fail every live request (500, ``reason``), each still
+        released exactly once (now, or by later steps once no transfer reads its pages). Returns
+        the outputs not handed out yet, those of the failed step included."""
+        ...
+
+    def runnable(self) -> bool:
+        """A forward is likely next step: the loop should not wait for input."""
+        ...
+
+    def idle(self) -> bool:
+        """Nothing in flight at all: the loop may wait longest for input."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Pools consistent and every live request in exactly one queue (tests call it after
+        every step)."""
+        ...
+
+
+class StepStats(NodeStats, Protocol):
+    """A role's stats: answers the ops queries (``NodeStats``) and watches the loop."""
+
+    def observe_step(self, turn_s: float) -> None:
+        """After each loop turn: ``turn_s`` from taking input (or from the turn's start when no
+        wait was allowed) to outputs sent."""
+        ...
+
+
+class RateMeter:
+    """Events per second over a sliding window (``gen_throughput`` and friends).
+
+    ``add(n)`` once per step; ``rate()`` = events in the last ``window_s`` / the span covered.
+    """
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self._window = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def add(self, n: int, now: float | None = None) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        self._events.append((now, n))
+        self._total += n
+        self._trim(now)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return self._total / max(span, min(self._window, 1.0))
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > self._window:
+            _, n = self._events.popleft()
+            self._total -= n
