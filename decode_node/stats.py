@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict
 
-from common.node.contract import RateMeter
+from common.ipc.node_io import RateMeter
 from decode_node.scheduler import DecodeScheduler
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.node.contract import RateMeter
+from common.ipc.node_io import RateMeter
 from prefill_node.scheduler import PrefillScheduler
 
 

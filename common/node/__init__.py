@@ -8,6 +8,7 @@
                   loop, plus a role part (prefill_node/process.py, decode_node/process.py) that
                   builds the role's KV manager, scheduler and stats
     contract.py   the one contract both schedulers keep: step(msgs) -> outputs, and their stats
+                  (RateMeter, which both roles' stats use, stays with NodeStats in common/ipc/node_io.py)
 
 Each role package adds only what differs: its flags, its role part, its scheduler.
 """

@@ -14,8 +14,6 @@ dataclass (``PrefillCounters``, ``DecodeCounters``) and its queues in a plain qu
 """
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -56,36 +54,3 @@ class StepStats(NodeStats, Protocol):
         """After each loop turn: ``turn_s`` from taking input (or from the turn's start when no
         wait was allowed) to outputs sent."""
         ...
-
-
-class RateMeter:
-    """Events per second over a sliding window (``gen_throughput`` and friends).
-
-    ``add(n)`` once per step; ``rate()`` = events in the last ``window_s`` / the span covered.
-    """
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self._window = window_s
-        self._events: deque[tuple[float, int]] = deque()
-        self._total = 0
-
-    def add(self, n: int, now: float | None = None) -> None:
-        if n <= 0:
-            return
-        now = time.monotonic() if now is None else now
-        self._events.append((now, n))
-        self._total += n
-        self._trim(now)
-
-    def rate(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        self._trim(now)
-        if not self._events:
-            return 0.0
-        span = max(now - self._events[0][0], 1e-3)
-        return self._total / max(span, min(self._window, 1.0))
-
-    def _trim(self, now: float) -> None:
-        while self._events and now - self._events[0][0] > self._window:
-            _, n = self._events.popleft()
-            self._total -= n

@@ -21,8 +21,7 @@ from common.ipc.protocol import (
     encode,
 )
 from common.request import FinishReason, SamplingParams
-from common.ipc.node_io import NodeIO
-from common.node.contract import RateMeter
+from common.ipc.node_io import NodeIO, RateMeter
 
 
 class Stats:
