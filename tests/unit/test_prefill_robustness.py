@@ -136,3 +136,26 @@ def test_send_error_other_than_transfer_error_fails_only_that_request() -> None:
     node.sender(2).state = KVPoll.Success
     run_until_idle(node)
     assert node.replies["a"].http_status == 500 and node.replies["b"].error is None
+
+
+def test_replies_of_a_step_that_raised_are_handed_out_by_fail_all() -> None:
+    """A reply made before an exception escaped the step is not lost: fail_all hands it out."""
+    node = Node()
+    node.step(gen("a", prompt(5), room=1), gen("b", prompt(5, base=9), room=2))
+    node.ready(1)
+    node.step()  # a in flight, b bootstrapping
+    node.sender(1).state = KVPoll.Success
+
+    def broken() -> list:
+        raise Boom("schedule")
+    node.sched._schedule = broken  # type: ignore[method-assign]
+    with pytest.raises(Boom):
+        node.sched.step([])  # a was answered and released before _schedule raised
+    out = {o.rid: o for o in node.sched.fail_all("internal error")}
+    assert out["a"].error is None and out["a"].finish is not None
+    assert "b" not in out  # failed, answered once its room is terminal
+    del node.sched._schedule  # type: ignore[attr-defined]
+    for o in out.values():
+        node.replies[o.rid] = o
+    run_until_idle(node)
+    assert node.replies["b"].http_status == 500
