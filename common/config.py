@@ -74,12 +74,21 @@ class SchedulerConfig:
     new_token_ratio_init: float = 0.7
     new_token_ratio_min: float = 0.1
     new_token_ratio_decay_steps: int = 600
+    # Decode: KV headroom kept per running request when admitting new rooms.
+    reserved_decode_tokens: int = 128
+    # Decode: request rows beyond max_running_requests, for rooms in transfer and waiting. Without
+    # them a full running batch would stop all pre-allocation and the next requests' transfers.
+    prealloc_rows: int | None = None  # None -> max_running_requests
 
     def validate(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ConfigError(f"--schedule-policy {self.schedule_policy!r}: expected fcfs or lpm")
         if self.max_prefill_tokens < 1:
             raise ConfigError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.reserved_decode_tokens < 1:
+            raise ConfigError(f"--num-reserved-decode-tokens must be >= 1, got {self.reserved_decode_tokens}")
+        if self.prealloc_rows is not None and self.prealloc_rows < 0:
+            raise ConfigError(f"prealloc_rows must be >= 0, got {self.prealloc_rows}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,9 @@ class TransferConfig:
     hung_peer_quarantine_s: float = field(default_factory=envs.HUNG_PEER_QUARANTINE_S.get)
     idle_peer_purge_s: float = field(default_factory=envs.IDLE_PEER_PURGE_S.get)
     write_timeout_s: float = field(default_factory=envs.MOONCAKE_TRANSFER_TIMEOUT_S.get)
+    # Top logprobs each aux row carries with the first token. It fixes the aux row layout, which
+    # both roles must share (transfer.aux.AUX_TOP_K is the same default; a test holds them equal).
+    aux_top_k: int = 20
     # The cluster's shared secret (common/auth.py), or None: access control off. It guards this
     # node's HTTP API, its bootstrap registry and the control plane. repr=False: never logged.
     cluster_secret: str | None = field(default=None, repr=False)
@@ -113,6 +125,8 @@ class TransferConfig:
             raise ConfigError(f"--disaggregation-transfer-backend {self.backend!r}: expected mooncake or fake")
         if not 0 < self.bootstrap_port < 65536:
             raise ConfigError(f"--disaggregation-bootstrap-port {self.bootstrap_port} out of range")
+        if self.aux_top_k < 0:
+            raise ConfigError(f"aux_top_k must be >= 0, got {self.aux_top_k}")
 
 
 @dataclass(frozen=True)

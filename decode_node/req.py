@@ -1,4 +1,5 @@
-"""A request as the decode scheduler tracks it, and the collaborators it needs from outside.
+"""What the decode scheduler holds: its requests, the queues they wait in, its counters, and the
+collaborators it needs from outside. The logic that moves requests is ``decode_node.scheduler``'s.
 
 The stage says which queue holds the request and what it owns::
 
@@ -10,10 +11,15 @@ The stage says which queue holds the request and what it owns::
     RETRACTED    retracted    nothing (tokens only; resumes by recompute)
     DRAINING     draining     receiver (+ pages, aux slot): answered, waits until no write can land
     DONE         -            nothing
+
+Every live request is in ``DecodeQueues.reqs`` and in exactly one of the first five queues; a
+draining request was answered already, so it is no longer in ``reqs``. ``check_integrity``
+proves it between steps.
 """
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,10 +27,11 @@ from typing import Protocol
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk
 from common.engine.sampler import SampledToken
-from common.kvcache.req_kv import ReqKV
-from common.protocol import ReqOutput
+from common.kvcache.req_kv import KVMemory, ReqKV
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
-from common.sched.decode_budget import Holder
+from common.sched.stop import StopChecker
+from decode_node.budget import Holder
 from common.timeline import StageClock
 from transfer.aux import AuxRecord
 from transfer.base import KVReceiver
@@ -75,6 +82,14 @@ class AuxSlots(Protocol):
     def check_integrity(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class DecodeSchedConfig:
+    max_running_requests: int
+    recompute_tokens_per_step: int = 2048  # resume budget per step (at least one request resumes)
+    check_aux_room: bool = True  # False with the fake backend: it writes no aux row
+    drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
+
+
 @dataclass
 class DecodeReq:
     rid: str
@@ -122,6 +137,35 @@ class DecodeReq:
         computes its whole prompt and samples its first token from the last chunk."""
         return self.prompt + self.out[:-1]
 
+    def reserve_room(self, memory: KVMemory, aux: AuxSlots) -> bool:
+        """Row (with a state slot, for hybrid models) + prompt pages + aux slot, all or nothing."""
+        kv = memory.admit((), use_cache=False)
+        if kv is None:
+            return False
+        slot = aux.alloc() if memory.reserve(kv, len(self.prompt)) else None
+        if slot is None:
+            memory.release(kv, None)
+            return False
+        self.kv, self.aux_slot = kv, slot
+        return True
+
+    def release(self, memory: KVMemory, aux: AuxSlots) -> None:
+        """Give back everything this request holds (each resource once; safe to call again)."""
+        if self.kv is not None:
+            memory.release(self.kv, None)  # decode keeps no prefix cache: received KV is freed
+            self.kv = None
+        if self.aux_slot is not None:
+            aux.free(self.aux_slot)
+            self.aux_slot = None
+
+    def append(self, token: int, logprob: float | None, top: Sequence[tuple[int, float]], stop: StopChecker) -> None:
+        """One more output token (with its logprobs when asked for); sets ``finish`` if a stop rule matched."""
+        self.out.append(token)
+        if self.params.return_logprob:
+            self.logprobs.append(0.0 if logprob is None else logprob)
+            self.top_logprobs.append(list(top)[: self.params.top_logprobs_num])
+        self.finish = stop.check(self.params, self.out)
+
     def label(self) -> str:
         return f"rid {self.rid}" + (f" (room {self.room})" if self.room is not None else "")
 
@@ -149,3 +193,80 @@ class DecodeReq:
             new_top_logprobs=self.top_logprobs[new] if lp and self.params.top_logprobs_num else None,
             finish=self.finish, prompt_tokens=len(self.prompt), completion_tokens=len(self.out),
             cached_tokens=self.cached_tokens, error=self.error, http_status=self.http_status, timeline=timeline)
+
+
+@dataclass
+class DecodeCounters:
+    """Running totals since start; ``/metrics`` exports each as ``pdc_scheduler_<name>_total``."""
+
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished: int = 0
+    failed: int = 0
+    aborted: int = 0
+    decode_steps: int = 0
+    decode_batch_reqs: int = 0
+    decode_forward_seconds: float = 0.0  # in the engine's decode forward
+    # The whole loop turn of each step that ran a decode (input, queues, forward, stop checks,
+    # output IPC), added by DecodeStats.observe_step after the turn: minus
+    # decode_forward_seconds it is the per-step overhead `pdcluster bench` reports.
+    decode_step_seconds: float = 0.0
+
+
+class DecodeQueues:
+    """The queues of the module docstring, the live requests by rid, and their invariants."""
+
+    def __init__(self) -> None:
+        self.reqs: dict[str, DecodeReq] = {}  # every live request by rid (not draining ones)
+        self.prealloc: deque[DecodeReq] = deque()
+        self.transfer: list[DecodeReq] = []
+        self.waiting: deque[DecodeReq] = deque()
+        self.running: list[DecodeReq] = []
+        self.retracted: deque[DecodeReq] = deque()
+        self.draining: list[DecodeReq] = []
+
+    def remove(self, r: DecodeReq) -> None:
+        """Take ``r`` out of whichever live queue holds it."""
+        for q in (self.prealloc, self.transfer, self.waiting, self.running, self.retracted):
+            if r in q:
+                q.remove(r)
+                return
+
+    def num_queued(self) -> int:
+        """Live requests not in the running batch."""
+        return len(self.prealloc) + len(self.transfer) + len(self.waiting) + len(self.retracted)
+
+    def check_integrity(self, memory: KVMemory, aux: AuxSlots) -> None:
+        """Pools consistent; each live request in exactly one queue, in the stage that queue
+        means; each row and aux slot owned by one request (live or draining)."""
+        memory.check_integrity()
+        aux.check_integrity()
+        stages = ((self.prealloc, Stage.PREALLOC), (self.transfer, Stage.TRANSFER), (self.waiting, Stage.WAITING),
+                  (self.running, Stage.RUNNING), (self.retracted, Stage.RETRACTED), (self.draining, Stage.DRAINING))
+        for q, stage in stages:
+            assert all(r.stage is stage for r in q), f"a request in the {stage.value} queue is not in that stage"
+        live = [r for q, _ in stages[:5] for r in q]
+        assert len({id(r) for r in live}) == len(live), "a request is in two queues"
+        assert sorted(r.rid for r in live) == sorted(self.reqs), "queues != live requests"
+        assert all(self.reqs[r.rid] is r for r in live), "a queued request is not the live one of its rid"
+        holders = [*live, *self.draining]
+        rows = [r.kv.row for r in holders if r.kv is not None]
+        assert len(rows) == len(set(rows)) == memory.req_to_token.num_used, "request rows leaked or shared"
+        slots = [r.aux_slot for r in holders if r.aux_slot is not None]
+        assert len(slots) == len(set(slots)), "two requests share an aux slot"
+        assert all(r.kv is None and r.aux_slot is None for r in [*self.prealloc, *self.retracted]), \
+            "a request holds memory in a stage that owns none"
+
+
+def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int) -> SampledToken | None:
+    """Write the KV of ``ids`` into ``r``'s row, ``chunk`` tokens per forward (a resumed request's
+    recompute); a request with no output yet samples its first token from the last chunk."""
+    assert r.kv is not None
+    chunk = max(chunk, 1)
+    sampled: SampledToken | None = None
+    for start in range(0, len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        spec = SampleSpec(r.params, r.out, r.prompt) if end == len(ids) and not r.out else None
+        [sampled] = engine.run_extend([ExtendChunk(r.kv.row, ids[start:end], start)], [spec])
+    r.kv.kv_len = len(ids)
+    return sampled

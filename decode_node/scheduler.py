@@ -1,8 +1,9 @@
-"""The decode node's scheduler. Plain data in (``add``/``abort``), plain data out (``step`` returns
-``ReqOutput``s); ``decode_node.process`` feeds it from ZMQ. One ``step`` moves every queue once::
+"""The decode node's scheduler: plain data in (API messages), plain data out (``ReqOutput``s), one
+``step`` at a time; the node loop (``common.node.process``) feeds it from ZMQ. A step moves every
+queue (``DecodeQueues``) once::
 
-    GenerateReq ──add──> prealloc: KVReceiver(room) bootstraps (finds the prefill, registers our buffers)
-        │  handshake done AND both memory checks pass (common.sched.decode_budget):
+    GenerateReq ──arrive──> prealloc: KVReceiver(room) bootstraps (finds the prefill, registers our buffers)
+        │  handshake done AND both memory checks pass (decode_node.budget):
         │      row + prompt pages + aux slot; receiver.init() sends TransferInfo
         v
     transfer: poll() ──Failed──> pages + aux slot freed, 503 naming the cause
@@ -22,8 +23,8 @@ Aborts (client gone, /abort_request) are answered at once. A room whose Transfer
 still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
 terminal state (the transfer layer's fence, bounded by its timeouts), then are freed once; a room
 that failed while its prefill may still write (``receiver.fenced()``) waits there until the fence
-is lifted (for a peer that never comes back: for good, visible as ``fenced_reqs``).
-The queues and these endings live in ``decode_node.queues``.
+is lifted (for a peer that never comes back: for good, visible as ``fenced_reqs``). A request
+leaves by ``_finish``, ``_fail`` (only once its receiver is terminal), ``_refuse`` or ``_abort``.
 
 Retraction resumes by **recompute**, not host offload: the model is here anyway, no host pool
 must be budgeted, and recomputed KV gives the same greedy tokens (up to near-ties).
@@ -33,77 +34,42 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-from common.engine.driver import SampleSpec
-from common.engine.model_runner import DecodeItem, ExtendChunk
-from common.engine.sampler import SampledToken
+from common.engine.model_runner import DecodeItem
+from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
 from common.kvcache.req_kv import KVMemory
-from common.protocol import GenerateReq, ReqOutput
 from common.request import FinishReason
-from common.sched.decode_budget import DecodeBudget, NewTokenRatio
 from common.sched.stop import StopChecker
-from decode_node.queues import DecodeQueues
-from decode_node.req import AuxSlots, DecodeReq, Engine, ReceiverFactory, Stage
+from decode_node.budget import DecodeBudget, NewTokenRatio
+from decode_node.req import AuxSlots, DecodeCounters, DecodeQueues, DecodeReq, DecodeSchedConfig, Engine
+from decode_node.req import ReceiverFactory, Stage, recompute
 from transfer.errors import TransferError
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DecodeSchedConfig:
-    max_running_requests: int
-    recompute_tokens_per_step: int = 2048  # resume budget per step (at least one request resumes)
-    check_aux_room: bool = True  # False with the fake backend: it writes no aux row
-    drain_warn_s: float = 30.0
-
-
-class DecodeScheduler(DecodeQueues):
+class DecodeScheduler:
     def __init__(self, engine: Engine, memory: KVMemory, receivers: ReceiverFactory, aux: AuxSlots,
                  stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig) -> None:
-        super().__init__(memory, receivers, aux, cfg.drain_warn_s)
-        self.engine, self.stop, self.budget, self.ratio, self.cfg = engine, stop, budget, ratio, cfg
+        self.engine, self.memory, self.receivers, self.aux = engine, memory, receivers, aux
+        self.stop, self.budget, self.ratio, self.cfg = stop, budget, ratio, cfg
+        self.queues = DecodeQueues()
+        self.counters = DecodeCounters()
+        self.outbox: list[ReqOutput] = []  # this step's outputs, handed out by step()
         self._first_token: list[DecodeReq] = []  # KV landed this step: first token goes out with it
 
-    # ---- input ----------------------------------------------------------------------------------
+    # ---- one step -------------------------------------------------------------------------------
 
-    def add(self, msg: GenerateReq) -> None:
-        params = msg.sampling
-        local = msg.bootstrap_room is None
-        addr = None
-        if not local and msg.bootstrap_host is not None and msg.bootstrap_port is not None:
-            addr = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
-        r = DecodeReq(rid=msg.rid, prompt=list(msg.input_ids), params=params, stream=msg.stream,
-                      room=msg.bootstrap_room, bootstrap_addr=addr, arrival=msg.arrival_time or time.time())
-        if msg.rid in self.reqs:
-            return self._refuse(r, f"request id {msg.rid!r} is already running on this decode node")
-        if self.budget.pages(len(r.prompt) + 1) > self.budget.cfg.total_pages:
-            return self._refuse(r, f"{r.label()}: a prompt of {len(r.prompt)} tokens does not fit this decode "
-                                   f"node's KV pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
-        if local and r.max_new == 0:
-            r.finish = FinishReason(type="length", length=0)
-            return self._emit(r)
-        if local:
-            r.stage = Stage.RETRACTED
-            self.retracted.append(r)
-        else:
-            if msg.bootstrap_host is None or msg.bootstrap_port is None:  # no prefill we could tell
-                return self._fail(r, 400, f"{r.label()}: bootstrap_room without bootstrap_host/bootstrap_port")
-            try:
-                r.receiver = self.receivers.create_receiver(r.room, r.bootstrap_addr)  # type: ignore[arg-type]
-            except TransferError as exc:
-                return self._fail(r, 400, f"{r.label()}: cannot receive its KV: {exc}")
-            self.prealloc.append(r)
-        self.reqs[r.rid] = r
-
-    # ---- the step -------------------------------------------------------------------------------
-
-    def step(self) -> list[ReqOutput]:
-        if not self.reqs:
+    def step(self, msgs: Sequence[WorkItem] = ()) -> list[ReqOutput]:
+        for msg in msgs:
+            if isinstance(msg, GenerateReq):
+                self._arrive(msg)
+            else:
+                self._abort(msg.rid, "aborted")
+        if not self.queues.reqs:
             self.ratio.reset()
-        self._drain()
+        self._poll_draining()
         self._poll_transfer()
         self._resume_retracted()  # retracted first: they go before any new room
         self._poll_prealloc()
@@ -113,62 +79,90 @@ class DecodeScheduler(DecodeQueues):
         for r in self._first_token:  # their first token leaves with this step's outputs
             r.clock.lap("first_token", now)
         self._first_token.clear()
-        out, self._outbox = self._outbox, []
+        out, self.outbox = self.outbox, []
         return out
 
-    # ---- prealloc -> transfer -> waiting --------------------------------------------------------
+    def runnable(self) -> bool:
+        """A forward to run: the loop should turn without waiting for input."""
+        return bool(self.queues.running or self.queues.waiting)
 
-    def _poll_prealloc(self) -> None:
-        if not self.prealloc:
-            return
-        ratio = self.ratio.value
-        alloc = retractable = 0
-        budgeted = False  # the budget needs every request's view: built only once a room is ready
-        blocked = False  # FIFO: once one room does not fit, later ones wait too (no starvation)
-        for r in list(self.prealloc):
+    def idle(self) -> bool:
+        """Nothing in flight, no room draining: the loop may wait longest for input."""
+        return not (self.queues.reqs or self.queues.draining)
+
+    # ---- input ----------------------------------------------------------------------------------
+
+    def _arrive(self, msg: GenerateReq) -> None:
+        local = msg.bootstrap_room is None
+        addr = None
+        if not local and msg.bootstrap_host is not None and msg.bootstrap_port is not None:
+            addr = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+        r = DecodeReq(rid=msg.rid, prompt=list(msg.input_ids), params=msg.sampling, stream=msg.stream,
+                      room=msg.bootstrap_room, bootstrap_addr=addr, arrival=msg.arrival_time or time.time())
+        if msg.rid in self.queues.reqs:
+            return self._refuse(r, f"request id {msg.rid!r} is already running on this decode node")
+        if self.budget.pages(len(r.prompt) + 1) > self.budget.cfg.total_pages:
+            return self._refuse(r, f"{r.label()}: a prompt of {len(r.prompt)} tokens does not fit this decode "
+                                   f"node's KV pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
+        if local and r.max_new == 0:
+            r.finish = FinishReason(type="length", length=0)
+            return self._emit(r)
+        if local:
+            r.stage = Stage.RETRACTED
+            self.queues.retracted.append(r)
+        else:
+            if msg.bootstrap_host is None or msg.bootstrap_port is None:  # no prefill we could tell
+                return self._fail(r, 400, f"{r.label()}: bootstrap_room without bootstrap_host/bootstrap_port")
+            try:
+                r.receiver = self.receivers.create_receiver(r.room, r.bootstrap_addr)  # type: ignore[arg-type]
+            except TransferError as exc:
+                return self._fail(r, 400, f"{r.label()}: cannot receive its KV: {exc}")
+            self.queues.prealloc.append(r)
+        self.queues.reqs[r.rid] = r
+
+    def _abort(self, rid: str, reason: str, http_status: int | None = None) -> None:
+        """Answer at once; free what is ours now, fence what the prefill may still write.
+        With ``http_status`` the answer is an error (e.g. 500 when the step itself failed)."""
+        r = self.queues.reqs.pop(rid, None)
+        if r is None:
+            return  # finished already, or never here
+        self.counters.aborted += 1
+        r.finish = FinishReason(type="abort", message=reason)
+        if http_status is not None:
+            r.error, r.http_status = reason, http_status
+        self._emit(r)
+        self.queues.remove(r)
+        if r.stage in (Stage.PREALLOC, Stage.TRANSFER):
             assert r.receiver is not None
-            status = r.receiver.poll()
-            if status is KVPoll.Failed:
-                self._fail(r, 503, f"{r.label()}: KV transfer failed before it started: {r.receiver.failure_reason}")
-                continue
-            if status is not KVPoll.WaitingForInput or blocked:
-                continue
-            if not budgeted:
-                held = [h.holder() for h in self.running]
-                alloc = self.budget.allocatable_pages(
-                    self.memory.available_pages(), held, [h.holder() for h in (*self.transfer, *self.waiting)],
-                    [h.holder() for h in self.retracted], ratio)
-                retractable = sum(h.held_pages for h in held)
-                budgeted = True
-            if not self.budget.can_prealloc(len(r.prompt), r.max_new, alloc, retractable, ratio) or not self._reserve_room(r):
-                blocked = True
-                continue
-            alloc -= self.budget.pages(len(r.prompt) + self.budget.headroom_tokens(r.steps_left, ratio))
-            self.prealloc.remove(r)
-            r.stage = Stage.TRANSFER
-            self.transfer.append(r)
-            assert r.kv is not None and r.receiver is not None
-            state = [r.kv.state_slot] if r.kv.state_slot is not None else []
-            r.receiver.init(r.kv.pages, r.aux_slot, state)
-            r.clock.lap("prealloc")
+            # Draining first: whatever abort() does, the room is still polled to its end and
+            # its pages freed once (the transfer layer's own timeouts end it in any case).
+            r.stage, r.drain_since = Stage.DRAINING, time.monotonic()
+            self.queues.draining.append(r)
+            try:
+                r.receiver.abort(f"{r.label()}: {reason}")
+            except Exception:
+                log.exception("%s: aborting its transfer failed", r.label())
+        else:
+            r.release(self.memory, self.aux)
 
-    def _reserve_room(self, r: DecodeReq) -> bool:
-        """Row (with a state slot, for hybrid models) + prompt pages + aux slot, all or nothing."""
-        kv = self.memory.admit((), use_cache=False)
-        if kv is None:
-            return False
-        if not self.memory.reserve(kv, len(r.prompt)):
-            self.memory.release(kv, None)
-            return False
-        slot = self.aux.alloc()
-        if slot is None:
-            self.memory.release(kv, None)
-            return False
-        r.kv, r.aux_slot = kv, slot
-        return True
+    # ---- draining -> transfer -------------------------------------------------------------------
+
+    def _poll_draining(self) -> None:
+        """Free the memory of answered rooms once no write of their prefill can land."""
+        now = time.monotonic()
+        for r in list(self.queues.draining):
+            assert r.receiver is not None
+            if r.receiver.poll().terminal and not r.receiver.fenced():
+                self.queues.draining.remove(r)
+                r.release(self.memory, self.aux)
+                r.stage = Stage.DONE
+            elif now - r.drain_since > self.cfg.drain_warn_s:
+                what = "its prefill may still write (pages fenced)" if r.receiver.fenced() else "its transfer has not ended yet"
+                log.warning("%s: answered %.0f s ago, %s", r.label(), now - r.drain_since, what)
+                r.drain_since = now
 
     def _poll_transfer(self) -> None:
-        for r in list(self.transfer):
+        for r in list(self.queues.transfer):
             assert r.receiver is not None and r.kv is not None and r.aux_slot is not None
             status = r.receiver.poll()
             if status is KVPoll.Failed:
@@ -182,7 +176,7 @@ class DecodeScheduler(DecodeQueues):
                 r.aux_slot, r.receiver = None, None
                 r.kv.kv_len = len(r.prompt)
                 r.cached_tokens = rec.cached_tokens
-                self.transfer.remove(r)
+                self.queues.transfer.remove(r)
                 r.clock.lap("kv_transfer")
                 self._first_token.append(r)
                 if r.max_new == 0:
@@ -194,24 +188,19 @@ class DecodeScheduler(DecodeQueues):
                     self._finish(r)
                 else:
                     r.stage = Stage.WAITING
-                    self.waiting.append(r)
+                    self.queues.waiting.append(r)
 
-    def _merge_waiting(self) -> None:
-        """The prebuilt batch: the prompt's KV is in place and the first token came from the
-        prefill, so joining the running batch needs no forward."""
-        while self.waiting and len(self.running) < self.cfg.max_running_requests:
-            self._to_running_or_finish(self.waiting.popleft())
-
-    # ---- retraction and resume ------------------------------------------------------------------
+    # ---- retracted -> running -------------------------------------------------------------------
 
     def _resume_retracted(self) -> None:
+        q = self.queues
         budget_left = self.cfg.recompute_tokens_per_step
-        while self.retracted and budget_left > 0 and len(self.running) < self.cfg.max_running_requests:
-            r = self.retracted[0]
+        while q.retracted and budget_left > 0 and len(q.running) < self.cfg.max_running_requests:
+            r = q.retracted[0]
             ids = r.recompute_ids()
-            others = [o.holder() for o in (*self.running, *self.waiting, *self.transfer)]
+            others = [o.holder() for o in (*q.running, *q.waiting, *q.transfer)]
             if not self.budget.can_resume(r.holder(), self.memory.available_pages(), others, self.ratio.value,
-                                          alone=not (self.running or self.waiting)):
+                                          alone=not (q.running or q.waiting)):
                 return
             kv = self.memory.admit((), use_cache=False)
             if kv is None:
@@ -219,112 +208,192 @@ class DecodeScheduler(DecodeQueues):
             if not self.memory.reserve(kv, len(ids)):
                 self.memory.release(kv, None)
                 return
-            self.retracted.popleft()
+            q.retracted.popleft()
             r.kv = kv
-            first = self._recompute(r, ids)
+            first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step)
             budget_left -= len(ids)
             if first is not None:
                 self._append(r, first.token_id, first.logprob, first.top_logprobs)
             self._to_running_or_finish(r)
 
-    def _recompute(self, r: DecodeReq, ids: Sequence[int]) -> SampledToken | None:
-        """Write the KV of ``ids`` in chunks; a request with no output samples its first token."""
-        assert r.kv is not None
-        chunk = max(self.cfg.recompute_tokens_per_step, 1)
-        sampled: SampledToken | None = None
-        for start in range(0, len(ids), chunk):
-            end = min(start + chunk, len(ids))
-            spec = SampleSpec(r.params, r.out, r.prompt) if end == len(ids) and not r.out else None
-            [sampled] = self.engine.run_extend([ExtendChunk(r.kv.row, ids[start:end], start)], [spec])
-        r.kv.kv_len = len(ids)
-        return sampled
+    # ---- prealloc -> transfer -> waiting -> running ---------------------------------------------
 
-    def _make_room(self) -> bool:
-        """Ensure every running request can take its next page; False: skip this decode step."""
-        # The common case, checked without building the budget's view of every request: the next
-        # token of each fits in its own pages or the free ones (at least as strict as the budget's
-        # own first check, so it never skips a retraction the budget would make).
-        pages_for = self.memory.pages_for
-        need = sum(max(0, pages_for(r.kv.kv_len + 1) - len(r.kv.pages)) for r in self.running if r.kv is not None)
-        if need <= self.memory.available_pages():
-            return True
-        held = [r.holder() for r in self.running]
-        victims, fits = self.budget.pick_victims(held, self.memory.available_pages())
-        chosen = [self.running[i] for i in victims]
-        for r in chosen:
-            self._retract(r)
-        if chosen:
-            self.ratio.on_retract([r.holder() for r in self.running], self.budget.cfg.retract_decode_steps)
-            log.info("retracted %d request(s) (%s); new_token_ratio now %.3f", len(chosen),
-                     ", ".join(r.rid for r in chosen), self.ratio.value)
-        while not fits and self.waiting:
-            # Requests waiting for a running slot hold pages too (only with a full running batch).
-            self._retract(self.waiting[-1])
-            fits = self.budget.step_pages(self.running[0].holder()) <= self.memory.available_pages()
-        if fits:
-            return True
-        if self.transfer or any(r.kv is not None and not (r.receiver and r.receiver.fenced()) for r in self.draining):
-            # Rooms in transfer hold pages that can be retracted once they land, and aborted rooms
-            # still draining hold pages that come back once the prefill answers: wait for them
-            # rather than fail the request with a false "out of KV memory". Fenced rooms may never
-            # come back (a peer that never returns): not worth waiting for.
-            return False
-        # One request alone outgrows the whole pool (its worst case was capped at admission).
-        [r] = self.running
-        self._fail(r, 500, f"{r.label()}: out of KV memory: {len(r.prompt) + len(r.out)} tokens exceed this "
-                           f"decode node's pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
-        return False
+    def _poll_prealloc(self) -> None:
+        q = self.queues
+        if not q.prealloc:
+            return
+        ratio = self.ratio.value
+        alloc = retractable = 0
+        budgeted = False  # the budget needs every request's view: built only once a room is ready
+        blocked = False  # FIFO: once one room does not fit, later ones wait too (no starvation)
+        for r in list(q.prealloc):
+            assert r.receiver is not None
+            status = r.receiver.poll()
+            if status is KVPoll.Failed:
+                self._fail(r, 503, f"{r.label()}: KV transfer failed before it started: {r.receiver.failure_reason}")
+                continue
+            if status is not KVPoll.WaitingForInput or blocked:
+                continue
+            if not budgeted:
+                held = [h.holder() for h in q.running]
+                alloc = self.budget.allocatable_pages(
+                    self.memory.available_pages(), held, [h.holder() for h in (*q.transfer, *q.waiting)],
+                    [h.holder() for h in q.retracted], ratio)
+                retractable = sum(h.held_pages for h in held)
+                budgeted = True
+            if not self.budget.can_prealloc(len(r.prompt), r.max_new, alloc, retractable, ratio) or not r.reserve_room(self.memory, self.aux):
+                blocked = True
+                continue
+            alloc -= self.budget.pages(len(r.prompt) + self.budget.headroom_tokens(r.steps_left, ratio))
+            q.prealloc.remove(r)
+            r.stage = Stage.TRANSFER
+            q.transfer.append(r)
+            assert r.kv is not None and r.receiver is not None
+            state = [r.kv.state_slot] if r.kv.state_slot is not None else []
+            r.receiver.init(r.kv.pages, r.aux_slot, state)
+            r.clock.lap("prealloc")
 
-    def _retract(self, r: DecodeReq) -> None:
-        self._remove(r)
-        self._free(r)
-        r.retractions += 1
-        self.counters["retractions"] += 1
-        r.stage = Stage.RETRACTED
-        self.retracted.append(r)
+    def _merge_waiting(self) -> None:
+        """The prebuilt batch: KV in place, first token from the prefill: running needs no forward."""
+        while self.queues.waiting and len(self.queues.running) < self.cfg.max_running_requests:
+            self._to_running_or_finish(self.queues.waiting.popleft())
+
+    def _to_running_or_finish(self, r: DecodeReq) -> None:
+        if r.finish is not None:
+            return self._finish(r)
+        r.stage = Stage.RUNNING
+        self.queues.running.append(r)
+        if r.stream:
+            self._emit(r)
 
     # ---- decode ---------------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        if not self.running or not self._make_room():
+        running = self.queues.running
+        if not running or not self._make_room():
             return
-        for r in self.running:
+        for r in running:
             assert r.kv is not None
             if not self.memory.reserve(r.kv, r.kv.kv_len + 1):
                 raise RuntimeError(f"{r.label()}: no page after _make_room said it fits")  # a budget bug
-        batch = list(self.running)
+        batch = list(running)
         items = [DecodeItem(r.kv.row, r.out[-1], r.kv.kv_len) for r in batch if r.kv is not None]
         specs = [r.sample_spec() for r in batch]
         t0 = time.perf_counter()
         tokens = self.engine.run_decode(items, specs)
         # Step counters split decode time into model time and everything around it (bench, /metrics).
-        self.counters["decode_forward_seconds"] += time.perf_counter() - t0
-        self.counters["decode_steps"] += 1
-        self.counters["decode_batch_reqs"] += len(items)
+        self.counters.decode_forward_seconds += time.perf_counter() - t0
+        self.counters.decode_steps += 1
+        self.counters.decode_batch_reqs += len(items)
         self.ratio.on_decode_step()
         for r, tok in zip(batch, tokens):
             assert r.kv is not None
             r.kv.kv_len += 1
             self._append(r, tok.token_id, tok.logprob, tok.top_logprobs)
             if r.finish is not None:
-                self.running.remove(r)
+                running.remove(r)
                 self._finish(r)
             elif r.stream:
                 self._emit(r)
 
-    def _append(self, r: DecodeReq, token: int, logprob: float | None, top: Sequence[tuple[int, float]]) -> None:
-        r.out.append(token)
-        self.counters["generated_tokens"] += 1
-        if r.params.return_logprob:
-            r.logprobs.append(0.0 if logprob is None else logprob)
-            r.top_logprobs.append(list(top)[: r.params.top_logprobs_num])
-        r.finish = self.stop.check(r.params, r.out)
+    def _make_room(self) -> bool:
+        """Ensure every running request can take its next page; False: skip this decode step."""
+        q = self.queues
+        # The common case, checked without the budget's view of every request: each next token fits
+        # in its own pages or the free ones (at least as strict as the budget's own first check).
+        pages_for = self.memory.pages_for
+        need = sum(max(0, pages_for(r.kv.kv_len + 1) - len(r.kv.pages)) for r in q.running if r.kv is not None)
+        if need <= self.memory.available_pages():
+            return True
+        victims, fits = self.budget.pick_victims([r.holder() for r in q.running], self.memory.available_pages())
+        chosen = [q.running[i] for i in victims]
+        for r in chosen:
+            self._retract(r)
+        if chosen:
+            self.ratio.on_retract([r.holder() for r in q.running], self.budget.cfg.retract_decode_steps)
+            log.info("retracted %d request(s) (%s); new_token_ratio now %.3f", len(chosen),
+                     ", ".join(r.rid for r in chosen), self.ratio.value)
+        while not fits and q.waiting:
+            # Requests waiting for a running slot hold pages too (only with a full running batch).
+            self._retract(q.waiting[-1])
+            fits = self.budget.step_pages(q.running[0].holder()) <= self.memory.available_pages()
+        if fits:
+            return True
+        if q.transfer or any(r.kv is not None and not (r.receiver and r.receiver.fenced()) for r in q.draining):
+            # Rooms in transfer hold pages that can be retracted once they land, and aborted rooms
+            # still draining hold pages that come back once the prefill answers: wait for them
+            # rather than fail the request with a false "out of KV memory". Fenced rooms may never
+            # come back (a peer that never returns): not worth waiting for.
+            return False
+        # One request alone outgrows the whole pool (its worst case was capped at admission).
+        [r] = q.running
+        self._fail(r, 500, f"{r.label()}: out of KV memory: {len(r.prompt) + len(r.out)} tokens exceed this "
+                           f"decode node's pool ({self.budget.cfg.total_pages * self.budget.cfg.page_size} tokens)")
+        return False
 
-    def _to_running_or_finish(self, r: DecodeReq) -> None:
-        if r.finish is not None:
-            self._finish(r)
-            return
-        r.stage = Stage.RUNNING
-        self.running.append(r)
-        if r.stream:
-            self._emit(r)
+    def _retract(self, r: DecodeReq) -> None:
+        self.queues.remove(r)
+        r.release(self.memory, self.aux)
+        r.retractions += 1
+        self.counters.retractions += 1
+        r.stage = Stage.RETRACTED
+        self.queues.retracted.append(r)
+
+    def _append(self, r: DecodeReq, token: int, logprob: float | None, top: Sequence[tuple[int, float]]) -> None:
+        r.append(token, logprob, top, self.stop)
+        self.counters.generated_tokens += 1
+
+    # ---- endings --------------------------------------------------------------------------------
+
+    def _finish(self, r: DecodeReq) -> None:
+        r.release(self.memory, self.aux)
+        self.queues.reqs.pop(r.rid, None)
+        r.stage = Stage.DONE
+        self.counters.finished += 1
+        self._emit(r)
+
+    def _fail(self, r: DecodeReq, status: int, message: str) -> None:
+        """Finish with an error; only for rooms whose receiver is terminal (or never created).
+        A fenced receiver's memory goes to ``draining`` instead of back to the pools."""
+        log.warning("%s", message)
+        self.queues.remove(r)
+        if r.receiver is not None and r.receiver.fenced():
+            r.stage, r.drain_since = Stage.DRAINING, time.monotonic()
+            self.queues.draining.append(r)
+        else:
+            r.release(self.memory, self.aux)
+            r.stage = Stage.DONE
+        if self.queues.reqs.get(r.rid) is r:  # a rejected duplicate must not drop the live request
+            del self.queues.reqs[r.rid]
+        self.counters.failed += 1
+        r.finish, r.error, r.http_status = FinishReason(type="abort", message=message), message, status
+        self._emit(r)
+
+    def _refuse(self, r: DecodeReq, message: str) -> None:
+        """Reject a request that got no receiver (400) and tell its prefill, whose sender would
+        otherwise wait for our TransferInfo until its bootstrap timeout (and a router waiting for
+        both answers would hold the client's 400 that long). The transfer layer leaves a room
+        that is live here alone: it belongs to another request."""
+        self._fail(r, 400, message)
+        if r.room is not None and r.bootstrap_addr is not None:
+            try:
+                self.receivers.reject_room(r.room, r.bootstrap_addr, message)
+            except Exception:  # telling the prefill is best effort; its timeout still ends the room
+                log.exception("%s: could not tell the prefill it was refused", r.label())
+
+    def _emit(self, r: DecodeReq) -> None:
+        if r.finish is not None or r.stream:  # non-streaming requests: only the final output
+            self.outbox.append(r.take_output())
+
+    # ---- after an internal error, and invariants ---------------------------------------------
+
+    def fail_all(self, reason: str) -> list[ReqOutput]:
+        """After an exception escaped a step: answer every live request with a 500 and release
+        what it holds (rooms whose prefill may still write drain first)."""
+        for rid in list(self.queues.reqs):
+            self._abort(rid, reason, http_status=500)
+        out, self.outbox = self.outbox, []
+        return out
+
+    def check_integrity(self) -> None:
+        self.queues.check_integrity(self.memory, self.aux)

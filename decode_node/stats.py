@@ -1,4 +1,4 @@
-"""What the decode scheduler tells the ops endpoints (``common.sched.node_io.NodeStats``).
+"""What the decode scheduler tells the ops endpoints (``common.ipc.node_io.NodeStats``).
 
 ``/debug/memory`` is the leak detector used by every e2e scenario: once a node is idle, its free
 pages, request rows and aux slots must equal the totals again and ``integrity`` must be "ok".
@@ -6,38 +6,49 @@ pages, request rows and aux slots must equal the totals again and ``integrity`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
-from common.sched.node_io import RateMeter
+from common.ipc.node_io import RateMeter
 from decode_node.scheduler import DecodeScheduler
 
 
 class DecodeStats:
-    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None,
-                 throughput: RateMeter | None = None) -> None:
+    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None) -> None:
         self.sched = sched
         self.aux_total_slots = aux_total_slots
         self._transfer_rooms = transfer_rooms
-        self.throughput = throughput or RateMeter()
+        self.throughput = RateMeter()
+        self._seen_tokens = self._seen_steps = 0
+
+    def observe_step(self, turn_s: float) -> None:
+        """After each loop turn (``common.node.contract``): feeds the throughput window, and a turn
+        that ran a decode step adds to ``decode_step_seconds`` (the whole turn: input, queues,
+        forward, stop checks, output IPC; minus the forward it is the per-step overhead)."""
+        c = self.sched.counters
+        self.throughput.add(c.generated_tokens - self._seen_tokens)
+        self._seen_tokens = c.generated_tokens
+        if c.decode_steps != self._seen_steps:
+            self._seen_steps = c.decode_steps
+            c.decode_step_seconds += turn_s
 
     def queued(self) -> int:
-        s = self.sched
-        return len(s.prealloc) + len(s.transfer) + len(s.waiting) + len(s.retracted)
+        return self.sched.queues.num_queued()
 
     def load(self) -> dict[str, int]:
         s = self.sched
         mem = s.memory
         used_pages = mem.allocator.num_total - mem.allocator.num_free
-        return {"num_reqs": len(s.running) + self.queued(), "num_waiting_reqs": self.queued(),
+        return {"num_reqs": len(s.queues.running) + self.queued(), "num_waiting_reqs": self.queued(),
                 "num_tokens": used_pages * mem.page_size}
 
     def memory(self) -> dict:
-        s = self.sched
+        s, q = self.sched, self.sched.queues
         out: dict = dict(s.memory.stats())
         out.update({
             "aux_total_slots": self.aux_total_slots,
             "aux_free_slots": s.aux.num_free(),
-            "num_prealloc": len(s.prealloc), "num_transfer": len(s.transfer), "num_waiting": len(s.waiting),
-            "num_running": len(s.running), "num_retracted": len(s.retracted), "num_draining": len(s.draining),
+            "num_prealloc": len(q.prealloc), "num_transfer": len(q.transfer), "num_waiting": len(q.waiting),
+            "num_running": len(q.running), "num_retracted": len(q.retracted), "num_draining": len(q.draining),
             **self._fenced(),
             "new_token_ratio": round(s.ratio.value, 4),
         })
@@ -52,30 +63,30 @@ class DecodeStats:
         return out
 
     def metrics(self) -> dict[str, float]:
-        s = self.sched
+        s, q = self.sched, self.sched.queues
         alloc = s.memory.allocator
         return {
-            "num_running_reqs": len(s.running),
-            "num_waiting_reqs": len(s.waiting) + len(s.prealloc) + len(s.retracted),
-            "num_transfer_reqs": len(s.transfer),
-            "num_prealloc_reqs": len(s.prealloc),
-            "num_retracted_reqs": len(s.retracted),
+            "num_running_reqs": len(q.running),
+            "num_waiting_reqs": len(q.waiting) + len(q.prealloc) + len(q.retracted),
+            "num_transfer_reqs": len(q.transfer),
+            "num_prealloc_reqs": len(q.prealloc),
+            "num_retracted_reqs": len(q.retracted),
             "fenced_reqs": self._fenced()["fenced_reqs"],
             "token_usage": (alloc.num_total - alloc.num_free) / max(alloc.num_total, 1),
             "gen_throughput": self.throughput.rate(),
             "new_token_ratio": s.ratio.value,
-            **{f"{k}_total": float(v) for k, v in s.counters.items()},
+            **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()},
         }
 
     def _fenced(self) -> dict[str, int]:
         """Failed rooms whose memory stays held while their prefill may still write (never free,
         never a leak; see transfer.fenced)."""
-        held = [r for r in self.sched.draining if r.receiver is not None and r.receiver.fenced()]
+        held = [r for r in self.sched.queues.draining if r.receiver is not None and r.receiver.fenced()]
         return {"fenced_reqs": len(held), "fenced_pages": sum(len(r.kv.pages) for r in held if r.kv is not None)}
 
     def flush_cache(self) -> tuple[bool, str]:
         """The decode node caches no prefixes; flushing only checks it is idle (as SGLang does)."""
-        if not self.sched.idle:
+        if not self.sched.idle():
             return False, "requests are in flight; retry when the node is idle"
         self.sched.memory.cache.reset()
         return True, "decode node holds no prefix cache; nothing to flush"

@@ -1,6 +1,6 @@
-"""The prefill node: scheduler (bootstrap -> waiting -> chunked -> inflight), its process, and launch.
+"""The prefill node: its scheduler (bootstrap -> waiting -> chunked -> inflight), its part of the
+node process, and its launcher; the rest of the node is ``common.node``'s.
 
 Public API: ``prefill_node.__main__.main(argv) -> int`` (the ``pdcluster prefill`` command),
-``PrefillScheduler`` / ``PrefillSchedConfig`` (prefill_node.scheduler), ``run_scheduler``
-(prefill_node.process).
+``PrefillScheduler`` (prefill_node.scheduler), ``PrefillPart`` (prefill_node.process).
 """

@@ -1,11 +1,109 @@
-"""``python -m prefill_node ...`` and ``pdcluster prefill ...``: see ``prefill_node.launch``."""
+"""Launch a prefill node: ``pdcluster prefill ...`` or ``python -m prefill_node ...``.
+
+::
+
+    pdcluster prefill --model-path DIR [--host H --port P --disaggregation-bootstrap-port B
+                      --disaggregation-transfer-backend mooncake|fake --page-size N ...]
+
+    this process                                       child (spawned)
+    ------------                                       ---------------
+    1. BootstrapServer on B (thread)   <-- PUT /route --  PrefillKVManager registers its rank
+    2. spawn scheduler, wait for "ready" <-- pipe -----   model loaded, pools built, rank registered
+    3. uvicorn: FastAPI app  <== ZMQ ipc (common.ipc) ==>  scheduler loop
+    4. on exit: SIGTERM the scheduler (SIGKILL after a grace period), stop the bootstrap server
+
+The shared launcher (``common.node.launch.run_node``) does steps 2-4; this module adds the
+prefill's flags, its role part and the registry. ``/health`` stays 503 until the scheduler has
+answered, and turns 503 again if it dies (the API watches its pid; the registry's ``/health``
+too): the node stays up, so its decode peers hear of the death from the registry.
+"""
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
 
-from prefill_node.launch import main
+from common import envs
+from common.config import NodeConfig, SchedulerConfig
+from common.node.launch import (
+    SchedulerChild,
+    StartupError,
+    add_node_flags,
+    attention_config,
+    cache_config,
+    cpu_slice,
+    model_config,
+    node_config,
+    run_node,
+    server_config,
+    transfer_config,
+)
+from prefill_node.process import PrefillPart
 
-__all__ = ["main"]
+log = logging.getLogger("prefill_node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdcluster prefill", description="Run a prefill node (flags mirror SGLang's).")
+    d = "(default: %(default)s)"
+    add_node_flags(p, port=30000)
+    p.add_argument("--chunked-prefill-size", type=int, default=SchedulerConfig.chunked_prefill_size,
+                   help=f"most prompt tokens of one request per forward; <= 0 disables chunking {d}")
+    p.add_argument("--max-prefill-tokens", type=int, default=SchedulerConfig.max_prefill_tokens,
+                   help=f"most prompt tokens per forward {d}")
+    p.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm"), help=f"waiting queue order {d}")
+    p.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        role="prefill",
+        model=model_config(ns),
+        cache=cache_config(ns, enable_prefix_cache=not ns.disable_radix_cache),
+        sched=SchedulerConfig(chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
+                              schedule_policy=ns.schedule_policy),
+        attention=attention_config(ns),
+        transfer=transfer_config(ns),
+        server=server_config(ns),
+        cpu=cpu_slice(ns),
+    )
+
+
+class Registry:
+    """The bootstrap registry this node embeds, on ``--disaggregation-bootstrap-port``; its
+    ``/health`` follows the scheduler's."""
+
+    def __init__(self, host: str, port: int, child: SchedulerChild, secret: str | None) -> None:
+        from bootstrap_server.server import BootstrapServer
+
+        self.host, self.port = host, port
+        self.server = BootstrapServer(host, port, health_check=child.alive, secret=secret)
+
+    def start(self) -> None:
+        try:
+            self.server.start()
+        except OSError as exc:
+            raise StartupError(f"cannot serve the bootstrap registry on {self.host}:{self.port}: {exc}") from exc
+        log.info("bootstrap registry on %s:%d", self.host, self.port)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s prefill %(name)s: %(message)s")
+    built = node_config("prefill", ns, config_from_args)
+    if built is None:
+        return 2
+    cfg, api_cfg = built
+    from bootstrap_server.client import bootstrap_url
+
+    tc = cfg.transfer
+    part = PrefillPart(cfg.sched, tc, bootstrap_url(ns.host, tc.bootstrap_port))
+    return run_node(cfg, api_cfg, part, sidecar=lambda child: Registry(ns.host, tc.bootstrap_port, child, tc.cluster_secret))
+
 
 if __name__ == "__main__":
     sys.exit(main())

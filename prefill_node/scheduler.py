@@ -1,6 +1,6 @@
 """The prefill scheduler: plain data in (API messages), plain data out (replies), one ``step`` at a time.
 
-Lifecycle of one request (queues are FIFO lists; every arrow happens inside ``step``)::
+Lifecycle of one request (queues are FIFO lists in ``PrefillQueues``; every arrow happens inside ``step``)::
 
     GenerateReq --receive--> bootstrap --poll: WaitingForInput--> waiting
       bad input: 400 reply      sender created; the decode          |  prefill adder: budgets + policy;
@@ -16,115 +16,101 @@ Lifecycle of one request (queues are FIFO lists; every arrow happens inside ``st
                                                                      transfer_timeout_s: sender.abort)
 
     Failed seen in bootstrap / waiting / chunked       -> released and answered at once (503)
-    AbortReq, forward error, send error in any queue   -> sender.abort -> inflight -> released when terminal
+    AbortReq, forward error, send error in any queue   -> _end_early: sender.abort -> inflight -> released when terminal
 
-Queue bookkeeping, the single release and the per-request error guard live in
-``prefill_node.queues``. Why release waits for a terminal state: the KVSender contract reports Failed only once no write
-of the room is in flight, so after Success/Failed nothing reads the pages any more. Then, and only
-then, the prompt's full pages go to the radix cache (``KVMemory.release`` with the token ids): an
-insert may free a duplicate page, which must not happen while a transfer still reads it. Every
-request is released exactly once (``_finish`` marks it); ``check_integrity`` proves it.
+Why release waits for a terminal state: the KVSender contract reports Failed only once no write
+of the room is in flight, so after Success/Failed nothing reads the pages any more. Only then do
+the prompt's full pages go to the radix cache (``KVMemory.release`` with the token ids): an insert
+may free a duplicate page, which must not happen while a transfer still reads it. Every request
+leaves through ``_finish``: answered, and its KV released exactly once. An exception in one
+request's handling fails it alone (``_guard``); ``fail_all`` is the net for one escaping a step.
 
 A local request (no ``bootstrap_room``: ``/health_generate``) skips bootstrap and transfer: it
 runs its prompt and is answered with the one token sampled, so liveness checks exercise the model.
-
-The scheduler never blocks: ``sender.poll`` is a dict read, ``sender.send`` queues work for the
-transfer threads. It is not thread-safe; the scheduler process loop owns it.
+The scheduler never blocks (``sender.poll`` is a dict read, ``sender.send`` queues work for the
+transfer threads) and is not thread-safe: the node loop owns it.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import ExtendChunk
-from common.engine.sampler import SampledToken
+from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
 from common.kvcache.req_kv import KVMemory
-from common.protocol import AbortReq, GenerateReq, ReqOutput
-from common.request import FinishReason
-from common.sched.prefill_adder import Policy, PrefillAdder, PrefillBudget, order_waiting
 from common.sched.stop import StopChecker
-from prefill_node.queues import PrefillQueues
-from prefill_node.req import PrefillReq, aux_record, failed, local_answer
-from transfer.base import KVSender
+from prefill_node.adder import PrefillAdder, order_waiting
+from prefill_node.req import ExtendEngine, PrefillCounters, PrefillQueues, PrefillReq, PrefillSchedConfig, SenderFactory
+from prefill_node.req import aux_record, ended_early, failed, input_error, local_answer, local_finish, pages_to_send
+from prefill_node.req import peek_prefix_len, room_ended
 from transfer.errors import TransferError
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
 
 
-class ExtendEngine(Protocol):
-    """``common.engine.driver.EngineDriver`` fits: one forward over prompt chunks, sampled tokens out."""
-
-    def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]: ...
-
-
-SenderFactory = Callable[[int], KVSender]  # PrefillKVManager.create_sender; raises TransferError
-
-
-@dataclass(frozen=True)
-class PrefillSchedConfig:
-    budget: PrefillBudget
-    policy: Policy = "fcfs"
-    transfer_timeout_s: float = 60.0  # inflight without a terminal state this long -> abort the room
-    aux_top_k: int = 0  # top logprobs carried in the aux record (must match the transfer layout)
-    # The model's context length: a prompt this long leaves no room for a token (the API's rule).
-    # None: only the request row (the context length rounded up to whole pages) bounds it.
-    context_len: int | None = None
-
-
-class PrefillScheduler(PrefillQueues):
+class PrefillScheduler:
     def __init__(self, engine: ExtendEngine, memory: KVMemory, senders: SenderFactory, stop: StopChecker,
                  cfg: PrefillSchedConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(memory, cfg.transfer_timeout_s, clock)
-        self.engine, self.senders, self.stop, self.cfg = engine, senders, stop, cfg
+        self.engine, self.memory, self.senders, self.stop, self.cfg, self.clock = engine, memory, senders, stop, cfg, clock
+        self.queues = PrefillQueues()
+        self.counters = PrefillCounters()
+        self.outbox: list[ReqOutput] = []  # this step's replies, handed out by step()
         self.stalled = False  # the last step ran no forward although requests were waiting
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self, incoming: Sequence[GenerateReq | AbortReq] = ()) -> list[ReqOutput]:
-        out: list[ReqOutput] = []
-        for msg in incoming:
-            try:
-                if isinstance(msg, GenerateReq):
-                    self._receive(msg, out)
-                elif msg.rid in self.reqs:
-                    self._drain(self.reqs[msg.rid], "aborted by the client", None, out)
-            except Exception as exc:  # one bad message must not lose the others
-                req = self.reqs.get(msg.rid)
-                if req is not None:
-                    self._request_error(req, "receive", exc, out)
-                elif isinstance(msg, GenerateReq):
-                    log.exception("rid %s: could not take the request", msg.rid)
-                    out.append(failed(msg.rid, f"rid {msg.rid}: internal error: {type(exc).__name__}: {exc}", 500))
-        self._poll_bootstrap(out)
-        self._drop_failed(out)
+    def step(self, msgs: Sequence[WorkItem] = ()) -> list[ReqOutput]:
+        for msg in msgs:
+            self._receive(msg)
+        self._poll_bootstrap()
+        self._drop_failed()
         # Finished transfers release before scheduling so this step's batch can use their pages
         # (a chunk sent by this step's forward is polled from the next step on).
-        self._poll_inflight(out)
-        batch = self._schedule(out)
+        self._poll_inflight()
+        batch = self._schedule()
         # Waiting requests that did not fit wait for a transfer to finish: no reason to spin.
         self.stalled = not batch
         if batch:
-            self._forward(batch, out)
+            self._forward(batch)
+        out, self.outbox = self.outbox, []
         return out
 
-    def has_runnable(self) -> bool:
+    def runnable(self) -> bool:
         """A forward is likely next step (else the loop may wait on its socket a little)."""
-        return self.chunked is not None or (bool(self.waiting) and not self.stalled)
+        q = self.queues
+        return q.chunked is not None or (bool(q.waiting) and not self.stalled)
+
+    def idle(self) -> bool:
+        """Nothing in flight: the loop may wait longest for input."""
+        return not self.queues.reqs
 
     # ---- receive -------------------------------------------------------------------------------
 
-    def _receive(self, msg: GenerateReq, out: list[ReqOutput]) -> None:
-        if msg.rid in self.reqs:  # the API never does this; a reply would reach the other request
+    def _receive(self, msg: WorkItem) -> None:
+        req = self.queues.reqs.get(msg.rid)
+        try:
+            if isinstance(msg, GenerateReq):
+                self._arrive(msg)
+            elif req is not None:
+                self._end_early(req, "aborted by the client", None)
+        except Exception as exc:  # one bad message must not lose the others
+            req = self.queues.reqs.get(msg.rid)
+            if req is not None:
+                self._request_error(req, "receive", exc)
+            elif isinstance(msg, GenerateReq):
+                log.exception("rid %s: could not take the request", msg.rid)
+                self.outbox.append(failed(msg.rid, f"rid {msg.rid}: internal error: {type(exc).__name__}: {exc}", 500))
+
+    def _arrive(self, msg: GenerateReq) -> None:
+        if msg.rid in self.queues.reqs:  # the API never does this; a reply would reach the other request
             log.error("dropping a second request with the in-flight rid %s", msg.rid)
             return
         where = f"rid {msg.rid}" if msg.bootstrap_room is None else f"room {msg.bootstrap_room} (rid {msg.rid})"
-        error = self._check_input(msg)
+        error = input_error(msg, self.memory, self.cfg.context_len)
         sender = None
         if msg.bootstrap_room is not None:
             try:
@@ -133,35 +119,17 @@ class PrefillScheduler(PrefillQueues):
                 error = error or str(exc)
         if error is not None and sender is None:
             self.counters.rejected += 1
-            out.append(failed(msg.rid, f"{where}: {error}", 400, len(msg.input_ids)))
+            self.outbox.append(failed(msg.rid, f"{where}: {error}", 400, len(msg.input_ids)))
             return
         req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), msg.sampling, sender)
-        self.reqs[req.rid] = req
+        self.queues.reqs[req.rid] = req
         if error is not None:
             # The decode holds pages for this room and waits for its KV: abort the room so it
             # hears why now (or at its TransferInfo, from the tombstone) instead of at its
             # timeout. The 400 goes out once the room is terminal, normally this same step.
-            self._drain(req, error, 400, out)
+            self._end_early(req, error, 400)
             return
-        (self.waiting if sender is None else self.bootstrap).append(req)
-
-    def _check_input(self, msg: GenerateReq) -> str | None:
-        """Why the request can never run here (400), or None. Touches no pool."""
-        n = len(msg.input_ids)
-        if n == 0:
-            return "empty prompt"
-        ctx = self.cfg.context_len
-        if ctx is not None and n >= ctx:
-            return f"prompt of {n} tokens does not fit the context length {ctx} (at least one token must follow)"
-        if n > self.memory.req_to_token.max_context_len:
-            return f"prompt of {n} tokens exceeds the context length {self.memory.req_to_token.max_context_len}"
-        pages, total = self.memory.pages_for(n), self.memory.allocator.num_total
-        if pages > total:
-            return f"prompt of {n} tokens needs {pages} KV pages; this node has {total}"
-        if msg.bootstrap_room is None and msg.sampling.max_new_tokens > 1:
-            return ("a prefill node generates no text: send disaggregated requests (bootstrap_host/port/room) "
-                    "through the router, or max_new_tokens <= 1 for a local check")
-        return None
+        (self.queues.waiting if sender is None else self.queues.bootstrap).append(req)
 
     # ---- queues before the forward -----------------------------------------------------------
 
@@ -169,60 +137,69 @@ class PrefillScheduler(PrefillQueues):
     # as it goes, inside a per-request guard: an exception for one request fails that request
     # alone (``_request_error``) and can neither drop the others nor leave one in two places.
 
-    def _poll_bootstrap(self, out: list[ReqOutput]) -> None:
-        pending, self.bootstrap = self.bootstrap, []
+    def _poll_bootstrap(self) -> None:
+        q = self.queues
+        pending, q.bootstrap = q.bootstrap, []
         for req in pending:
-            with self._guard(req, "bootstrap poll", out):
+            with self._guard(req, "bootstrap poll"):
                 state = req.sender.poll()  # type: ignore[union-attr]  # bootstrap requests have senders
                 if state is KVPoll.Bootstrapping:
-                    self.bootstrap.append(req)
+                    q.bootstrap.append(req)
                 elif state is KVPoll.Failed:
-                    self._finish_transfer(req, state, out)
+                    self._finish(req, room_ended(req, state))
                 else:  # WaitingForInput: the decode said where to write
                     req.clock.lap("bootstrap")
-                    self.waiting.append(req)
+                    q.waiting.append(req)
 
-    def _drop_failed(self, out: list[ReqOutput]) -> None:
+    def _drop_failed(self) -> None:
         """A room can fail before its forward (decode gave up, aborted, was refused): free it now."""
-        pending, self.waiting = self.waiting, []
+        q = self.queues
+        pending, q.waiting = q.waiting, []
         for req in pending:
-            with self._guard(req, "waiting poll", out):
+            with self._guard(req, "waiting poll"):
                 if req.sender is not None and req.sender.poll() is KVPoll.Failed:
-                    self._finish_transfer(req, KVPoll.Failed, out)
+                    self._finish(req, room_ended(req, KVPoll.Failed))
                 else:
-                    self.waiting.append(req)
-        req = self.chunked
+                    q.waiting.append(req)
+        req = q.chunked
         if req is not None and req.sender is not None:
-            with self._guard(req, "chunked poll", out):
+            with self._guard(req, "chunked poll"):
                 if req.sender.poll() is KVPoll.Failed:
-                    self.chunked = None
-                    self._finish_transfer(req, KVPoll.Failed, out)
+                    q.chunked = None
+                    self._finish(req, room_ended(req, KVPoll.Failed))
 
-    def _schedule(self, out: list[ReqOutput]) -> list[tuple[PrefillReq, int]]:
+    def _poll_inflight(self) -> None:
+        now = self.clock()
+        q = self.queues
+        pending, q.inflight = q.inflight, []
+        for req in pending:
+            with self._guard(req, "transfer poll"):
+                assert req.sender is not None and req.inflight_since is not None
+                state = req.sender.poll()
+                if state.terminal:
+                    self._finish(req, room_ended(req, state))
+                    continue
+                q.inflight.append(req)
+                if now - req.inflight_since > self.cfg.transfer_timeout_s:
+                    # abort is idempotent; poll reports Failed once no write for the room is in flight.
+                    req.sender.abort(f"KV transfer not done within {self.cfg.transfer_timeout_s:g} s")
+
+    def _schedule(self) -> list[tuple[PrefillReq, int]]:
         """This step's batch: (request, tokens to compute) — the chunked request first."""
-        mem = self.memory
+        mem, q = self.memory, self.queues
         adder = PrefillAdder(self.cfg.budget, mem.available_pages(), mem.page_size)
         batch: list[tuple[PrefillReq, int]] = []
-        if self.chunked is not None:
-            batch.append((self.chunked, adder.add_chunked(self.chunked.prompt_len - self.chunked.computed)))
-        if adder.closed or not self.waiting:
+        if q.chunked is not None:
+            batch.append((q.chunked, adder.add_chunked(q.chunked.prompt_len - q.chunked.computed)))
+        if adder.closed or not q.waiting:
             return batch
 
-        # Cached prefix lengths, read without touching the cache: most waiting requests are not
-        # admitted this step, and stamping their prefixes every step would distort LRU eviction.
-        # Evictions during this step only shorten prefixes; admission re-checks with the real match.
-        peeked: dict[str, int] = {}
-
-        def prefix_len(r: PrefillReq) -> int:
-            if r.rid not in peeked:
-                peeked[r.rid] = mem.cache.peek_prefix_len(r.input_ids, r.prompt_len - 1)
-            return peeked[r.rid]
-
-        for req in order_waiting(self.waiting, self.cfg.policy, prefix_len):
+        prefix_len = peek_prefix_len(mem.cache)  # read-only: most waiting requests are not admitted
+        for req in order_waiting(q.waiting, self.cfg.policy, prefix_len):
             try:
                 n = self._admit(req, adder, prefix_len(req))
             except Exception as exc:  # the adder may be half-updated: stop adding this step
-                self._request_error(req, "admission", exc, out)
+                self._request_error(req, "admission", exc)
                 break
             if n is None:
                 break
@@ -252,13 +229,13 @@ class PrefillScheduler(PrefillQueues):
         if not fits:
             mem.release(kv, None)  # unlock; nothing was computed
             return None
-        self.waiting.remove(req)
+        self.queues.waiting.remove(req)
         req.kv = kv
         return n
 
     # ---- forward and send ----------------------------------------------------------------------
 
-    def _forward(self, batch: list[tuple[PrefillReq, int]], out: list[ReqOutput]) -> None:
+    def _forward(self, batch: list[tuple[PrefillReq, int]]) -> None:
         chunks: list[ExtendChunk] = []
         specs: list[SampleSpec | None] = []
         for req, n in batch:
@@ -271,7 +248,7 @@ class PrefillScheduler(PrefillQueues):
         wall = time.time()
         for req, _ in batch:
             req.clock.lap("queue", wall)  # waiting (and, between chunks, waiting for the next turn)
-        self.chunked = None
+        self.queues.chunked = None
         try:
             results = self.engine.run_extend(chunks, specs)
             if len(results) != len(batch):
@@ -279,7 +256,7 @@ class PrefillScheduler(PrefillQueues):
         except Exception as exc:  # a bad batch fails its requests; the node keeps serving
             log.exception("prefill forward of %d requests failed", len(batch))
             for req, _ in batch:
-                self._request_error(req, None, f"prefill forward failed: {type(exc).__name__}: {exc}", out)
+                self._request_error(req, None, f"prefill forward failed: {type(exc).__name__}: {exc}")
             return
         now = self.clock()
         self.counters.forwards += 1
@@ -289,7 +266,7 @@ class PrefillScheduler(PrefillQueues):
             req.clock.lap("forward", wall)
             req.clock.forwards += 1
         for (req, n), tok in zip(batch, results):  # each request is in no queue until placed here
-            with self._guard(req, "after the forward", out):
+            with self._guard(req, "after the forward"):
                 assert req.kv is not None
                 if req.kv.kv_len == req.kv.num_cached:
                     self.counters.cached_tokens += req.kv.num_cached
@@ -297,62 +274,125 @@ class PrefillScheduler(PrefillQueues):
                 self.counters.prompt_tokens += n
                 last = req.kv.kv_len == req.prompt_len
                 req.first = tok if last else None
-                if req.sender is not None and not self._send(req, last, out):
-                    continue  # drained by a send error
+                if req.sender is not None and not self._send(req, last):
+                    continue  # ended early by a send error
                 if not last:
-                    self.chunked = req
+                    self.queues.chunked = req
                 elif req.sender is None:
-                    self._finish(req, local_answer(req, self._local_finish(req)), out)
+                    self._finish(req, local_answer(req, local_finish(req, self.stop)))
                 else:
-                    req.drain_since = now
-                    self.inflight.append(req)
+                    req.inflight_since = now
+                    self.queues.inflight.append(req)
 
-    def _send(self, req: PrefillReq, last: bool, out: list[ReqOutput]) -> bool:
-        """Hand the chunk's finished pages to the sender. An intermediate chunk sends full pages
-        only; a page it filled partly goes with the next chunk::
-
-            page_size 4, chunk ends at token 10:  |0 1 2 3|4 5 6 7|8 9 . .|  -> sends pages 0, 1
-            last chunk (prompt of 13 tokens):      ... |8 9 10 11|12 . . .|  -> sends pages 2, 3
-        """
+    def _send(self, req: PrefillReq, last: bool) -> bool:
+        """Hand the chunk's finished pages (``pages_to_send``) to the sender, and with the last
+        chunk the aux record and the recurrent state. False: the send failed and ended the request."""
         kv = req.kv
         assert kv is not None and req.sender is not None
-        upto = len(kv.pages) if last else kv.kv_len // self.memory.page_size
-        pages = kv.pages[req.sent_pages : upto]
+        pages, upto = pages_to_send(req, last, self.memory.page_size)
         if not pages and not last:
             return True
         aux = aux_record(req, req.first, self.cfg.aux_top_k) if last and req.first is not None else None
         try:
             # A hybrid model's recurrent state is final only after the last chunk; it goes with it.
-            state = [req.kv.state_slot] if last and req.kv.state_slot is not None else []
+            state = [kv.state_slot] if last and kv.state_slot is not None else []
             req.sender.send(pages, last, aux, state)
         except Exception as exc:  # TransferError, or a bug: either way only this request fails
             if not isinstance(exc, TransferError):
                 log.exception("%s: KV send raised", req.name())
-            self._drain(req, f"KV send failed: {exc}", 500, out)
+            self._end_early(req, f"KV send failed: {exc}", 500)
             return False
         req.sent_pages = upto
         return True
 
-    def _local_finish(self, req: PrefillReq) -> FinishReason:
-        if req.params.max_new_tokens == 0:
-            req.first = None
-            return FinishReason(type="length", length=0)
-        assert req.first is not None
-        return self.stop.check(req.params, [req.first.token_id]) or FinishReason(type="length", length=1)
+    # ---- ending a request ----------------------------------------------------------------------
 
-    # ---- after the forward ---------------------------------------------------------------------
+    def _end_early(self, req: PrefillReq, reason: str, status: int | None) -> None:
+        """End a request before its transfer, from any queue: abort its room, release once the
+        room is terminal. ``status`` None: a client abort; else the HTTP status of the failure.
 
-    def _poll_inflight(self, out: list[ReqOutput]) -> None:
+        The request reaches ``inflight`` before its room is aborted, so whatever ``abort`` does,
+        the next steps still poll it to a terminal state, answer it and release it once."""
+        if req.finished:
+            return
+        if req.abort_reason is None:
+            req.abort_reason, req.abort_status = reason, status
+        if req.sender is None:  # local request: nothing can read its pages
+            self.queues.remove(req)
+            self._finish(req, ended_early(req))
+            return
+        self.queues.to_inflight(req, self.clock())
+        try:
+            req.sender.abort(reason)
+        except Exception:  # the room still ends: by the decode's answer or our transfer timeout
+            log.exception("%s: aborting its room failed", req.name())
+
+    @contextmanager
+    def _guard(self, req: PrefillReq, where: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            self._request_error(req, where, exc)
+
+    def _request_error(self, req: PrefillReq, where: str | None, error: Exception | str, requeue: bool = False) -> None:
+        """Fail one request (500) after an error in its own handling; never raises. ``where``: what
+        raised (logged with the traceback); None for a reason given as text. A request whose
+        handling keeps raising for ``transfer_timeout_s`` after the first error is given up:
+        answered and released without a terminal state, so it cannot stay forever."""
         now = self.clock()
-        pending, self.inflight = self.inflight, []
-        for req in pending:
-            with self._guard(req, "transfer poll", out):
-                assert req.sender is not None and req.drain_since is not None
-                state = req.sender.poll()
-                if state.terminal:
-                    self._finish_transfer(req, state, out)
-                    continue
-                self.inflight.append(req)
-                if now - req.drain_since > self.cfg.transfer_timeout_s:
-                    # abort is idempotent; poll reports Failed once no write for the room is in flight.
-                    req.sender.abort(f"KV transfer not done within {self.cfg.transfer_timeout_s:g} s")
+        if where is not None:
+            if req.error_since is None:
+                log.exception("%s: %s failed; failing this request alone", req.name(), where)
+                req.error_since = now
+            else:
+                log.debug("%s: %s failed again", req.name(), where, exc_info=True)
+        reason = error if isinstance(error, str) else f"internal error ({where}): {type(error).__name__}: {error}"
+        try:
+            if req.finished:
+                return
+            if requeue and req.sender is not None:
+                self.queues.park_inflight(req, req.inflight_since if req.inflight_since is not None else now)
+            if req.error_since is not None and now - req.error_since > self.cfg.transfer_timeout_s:
+                log.error("%s: still failing after %g s; releasing it without a terminal state",
+                          req.name(), now - req.error_since)
+                self.queues.remove(req)
+                self._finish(req, failed(req.rid, f"{req.name()}: {reason}", 500, req.prompt_len, req.cached))
+                return
+            self._end_early(req, reason, 500)
+        except Exception:
+            log.exception("%s: could not fail the request; it ends with its transfer timeout", req.name())
+
+    def _finish(self, req: PrefillReq, output: ReqOutput) -> None:
+        """The single release of everything ``req`` holds, and its last reply. A second end of
+        the same request (a bug elsewhere) is logged and dropped: raising here would fail every
+        later step at the same point and wedge the node."""
+        if req.finished:
+            log.error("%s finished twice; the second end is dropped", req.name())
+            return
+        req.finished = True
+        if self.queues.reqs.get(req.rid) is req:
+            del self.queues.reqs[req.rid]
+        self.counters.count_end(output)
+        self.outbox.append(output)  # answered whatever the release below does
+        if req.kv is not None:
+            self.memory.release(req.kv, req.input_ids)  # computed full pages join the prefix cache
+
+    # ---- after an internal error, and invariants ---------------------------------------------
+
+    def fail_all(self, reason: str) -> list[ReqOutput]:
+        """After an exception escaped a step: fail every live request (500); each is still
+        released once, when its room is terminal, by the next steps. Never raises: a request that
+        cannot be failed is logged and left to its transfer timeout. A request the error left in
+        no queue goes to ``inflight``, so it is still polled, answered and released."""
+        q = self.queues
+        for req in list(q.reqs.values()):
+            if req.abort_reason is None:
+                self._request_error(req, None, reason)
+        for req in q.strays():
+            log.error("%s was in no queue after an internal error; ending it", req.name())
+            self._request_error(req, None, reason, requeue=True)
+        out, self.outbox = self.outbox, []
+        return out
+
+    def check_integrity(self) -> None:
+        self.queues.check_integrity(self.memory)

@@ -1,4 +1,4 @@
-"""What the prefill scheduler shows the ops endpoints (``common.sched.node_io.NodeStats``).
+"""What the prefill scheduler shows the ops endpoints (``common.ipc.node_io.NodeStats``).
 
 Read between two steps by ``NodeIO.recv``, so every number describes one consistent state.
 Idle baseline of ``/debug/memory`` (what a leak test compares against): every queue empty,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.sched.node_io import RateMeter
+from common.ipc.node_io import RateMeter
 from prefill_node.scheduler import PrefillScheduler
 
 
@@ -20,8 +20,8 @@ class PrefillStats:
         self._meter = RateMeter()
         self._seen_tokens = 0
 
-    def observe_step(self) -> None:
-        """Call once per loop iteration: feeds the prefill throughput window."""
+    def observe_step(self, turn_s: float) -> None:
+        """After each loop turn (``common.node.contract``): feeds the prefill throughput window."""
         done = self._s.counters.prompt_tokens
         self._meter.add(done - self._seen_tokens)
         self._seen_tokens = done
@@ -29,42 +29,42 @@ class PrefillStats:
     def _held_pages(self, inflight_only: bool = False) -> int:
         """Pages the requests own. Their cached prefix pages are the cache's (counted in
         ``cached_pages``, locked): counting them here too made the parts exceed the total."""
-        s = self._s
-        reqs = s.inflight if inflight_only else list(s.reqs.values())
+        s, q = self._s, self._s.queues
+        reqs = q.inflight if inflight_only else list(q.reqs.values())
         ps = s.memory.page_size
         return sum(len(r.kv.pages) - r.kv.num_cached // ps for r in reqs if r.kv is not None)
 
     def load(self) -> dict[str, int]:
-        s = self._s
+        s, q = self._s, self._s.queues
         return {
-            "num_reqs": len(s.reqs),
-            "num_waiting_reqs": len(s.bootstrap) + len(s.waiting),
+            "num_reqs": len(q.reqs),
+            "num_waiting_reqs": len(q.bootstrap) + len(q.waiting),
             "num_tokens": self._held_pages() * s.memory.page_size,
         }
 
     def memory(self) -> dict:
-        s = self._s
+        s, q = self._s, self._s.queues
         return {
             **s.memory.stats(),
             "held_pages": self._held_pages(),  # pages owned by live requests (not the cache)
             "transfer_pages": self._held_pages(inflight_only=True),  # ... of which a transfer may read
-            "bootstrap_reqs": len(s.bootstrap),
-            "waiting_reqs": len(s.waiting),
-            "chunked_reqs": int(s.chunked is not None),
-            "inflight_reqs": len(s.inflight),
-            "live_reqs": len(s.reqs),
+            "bootstrap_reqs": len(q.bootstrap),
+            "waiting_reqs": len(q.waiting),
+            "chunked_reqs": int(q.chunked is not None),
+            "inflight_reqs": len(q.inflight),
+            "live_reqs": len(q.reqs),
             "transfer_rooms": self._rooms(),
         }
 
     def metrics(self) -> dict[str, float]:
-        s, c = self._s, self._s.counters
+        s, q, c = self._s, self._s.queues, self._s.counters
         mem = s.memory
         total = mem.allocator.num_total
         return {
-            "num_running_reqs": float(len(s.inflight) + (s.chunked is not None)),
-            "num_waiting_reqs": float(len(s.bootstrap) + len(s.waiting)),
-            "num_bootstrap_reqs": float(len(s.bootstrap)),
-            "num_transfer_reqs": float(len(s.inflight)),
+            "num_running_reqs": float(len(q.inflight) + (q.chunked is not None)),
+            "num_waiting_reqs": float(len(q.bootstrap) + len(q.waiting)),
+            "num_bootstrap_reqs": float(len(q.bootstrap)),
+            "num_transfer_reqs": float(len(q.inflight)),
             "token_usage": 1.0 - mem.available_pages() / total if total else 0.0,
             "gen_throughput": self._meter.rate(),  # prompt tokens computed per second
             "finished_reqs_total": float(c.finished),
@@ -79,8 +79,8 @@ class PrefillStats:
 
     def flush_cache(self) -> tuple[bool, str]:
         s = self._s
-        if s.reqs:
-            return False, f"{len(s.reqs)} requests are in flight; flush when the node is idle"
+        if s.queues.reqs:
+            return False, f"{len(s.queues.reqs)} requests are in flight; flush when the node is idle"
         if not s.memory.cache.reset():
             return False, "the prefix cache is locked"
         return True, "prefix cache flushed"

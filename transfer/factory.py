@@ -1,20 +1,43 @@
-"""Build a role's manager from the node's ``TransferConfig`` (what node launch code calls)."""
+"""Build a role's manager from the node's ``TransferConfig`` (what node launch code calls).
+
+Both node roles build their manager here, so the data plane, the bootstrap client and the
+close-on-failure rule are written once::
+
+    args = node_kv_args(kv_pool, state_pool, aux, host)       # what this rank registers
+    build_prefill_manager(tc, args, bootstrap_url)            # or build_decode_manager(tc, args)
+
+Either returns a manager that owns its data plane; if the manager cannot be built, the data
+plane is closed before the error propagates.
+"""
 from __future__ import annotations
 
 from common import envs
 from common.config import TransferConfig
+from common.kvcache.pool import KVPool
+from common.kvcache.state_pool import StatePool
 
 from transfer.args import KVArgs
-from transfer.base import BootstrapClient
+from transfer.aux import AuxPool
+from transfer.base import BootstrapClient, DataPlane
 from transfer.config import KVManagerConfig
 from transfer.decode import DecodeKVManager
 from transfer.prefill import PrefillKVManager
 from transfer.registry import create_data_plane
 
 
-def _engine_options() -> dict[str, object]:
+def node_kv_args(kv_pool: KVPool, state_pool: StatePool | None, aux: AuxPool, host: str) -> KVArgs:
+    """What a node rank registers and tells its peers: its KV pool, its recurrent-state pool
+    (hybrid models; ``None`` otherwise) and its aux rows, reachable at ``host``."""
+    return KVArgs(layout=kv_pool.layout, kv=KVArgs.kv_from_pool(kv_pool),
+                  state=KVArgs.state_from_pool(state_pool),
+                  state_layout=None if state_pool is None else state_pool.layout,
+                  aux=aux.buffers(), aux_top_k=aux.top_k, host=host)
+
+
+def _data_plane(tc: TransferConfig, host: str, **options: object) -> DataPlane:
     # Only the mooncake backend reads these; the others ignore unknown options.
-    return {"protocol": envs.MOONCAKE_PROTOCOL.get(), "device": envs.MOONCAKE_DEVICE.get()}
+    return create_data_plane(tc.backend, host=host, protocol=envs.MOONCAKE_PROTOCOL.get(),
+                             device=envs.MOONCAKE_DEVICE.get(), **options)
 
 
 def _default_client() -> BootstrapClient:
@@ -27,8 +50,11 @@ def build_prefill_manager(
     tc: TransferConfig, args: KVArgs, bootstrap_addr: str, bootstrap: BootstrapClient | None = None,
     **overrides: float,
 ) -> PrefillKVManager:
-    """``bootstrap_addr``: this node's bootstrap server ("host:port"), where the rank registers."""
-    engine = create_data_plane(tc.backend, host=args.host, **_engine_options())
+    """``bootstrap_addr``: this node's bootstrap server (``http://host:port``), where the rank registers.
+
+    The prefill's data plane is the one that writes, so it gets the write timeout: how long one
+    engine write may block on a hung decode (``PDC_MOONCAKE_TRANSFER_TIMEOUT_S``)."""
+    engine = _data_plane(tc, args.host, transfer_timeout_s=tc.write_timeout_s)
     try:
         cfg = KVManagerConfig.from_transfer_config(tc, **overrides)
         return PrefillKVManager(args, engine, bootstrap or _default_client(), bootstrap_addr, cfg)
@@ -40,9 +66,11 @@ def build_prefill_manager(
 def build_decode_manager(
     tc: TransferConfig, args: KVArgs, bootstrap: BootstrapClient | None = None, **overrides: float
 ) -> DecodeKVManager:
-    engine = create_data_plane(tc.backend, host=args.host, **_engine_options())
+    """The decode's data plane never writes (the prefill writes into its pages): no write timeout."""
+    engine = _data_plane(tc, args.host)
     try:
-        return DecodeKVManager(args, engine, bootstrap or _default_client(), KVManagerConfig.from_transfer_config(tc, **overrides))
+        cfg = KVManagerConfig.from_transfer_config(tc, **overrides)
+        return DecodeKVManager(args, engine, bootstrap or _default_client(), cfg)
     except BaseException:
         engine.close()
         raise

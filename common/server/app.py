@@ -29,7 +29,7 @@ from common.server.config import ApiConfig
 from common.server.context import VERSION, AppContext
 from common.server.errors import ApiError, error_response
 from common.server.metrics import ApiMetrics
-from common.server.scheduler_client import SchedulerClient
+from common.ipc.scheduler_client import SchedulerClient
 from common.server.textio import TokenizerLike
 
 logger = logging.getLogger(__name__)

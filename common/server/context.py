@@ -17,7 +17,7 @@ from common.server.config import ApiConfig
 from common.server.errors import bad_request
 from common.server.generation import Inflight
 from common.server.metrics import ApiMetrics
-from common.server.scheduler_client import SchedulerClient
+from common.ipc.scheduler_client import SchedulerClient
 from common.server.textio import TokenizerLike
 
 VERSION = "0.1.0"

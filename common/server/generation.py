@@ -26,13 +26,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.protocol import GenerateReq, ReqOutput
+from common.ipc.protocol import GenerateReq, ReqOutput
 from common.server.errors import error_body, error_response
 from common.server.metrics import ApiMetrics
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest
 from common.server.responses import DONE, StreamShaper, sse, whole_body
-from common.server.scheduler_client import DuplicateRid, SchedulerClient, SchedulerGone
+from common.ipc.scheduler_client import DuplicateRid, SchedulerClient, SchedulerGone
 from common.server.textio import TokenizerLike
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody reads it

@@ -1,6 +1,6 @@
 """Start a node's API process: tokenizer + SchedulerClient + app on uvicorn.
 
-Node launchers (prefill_node/launch.py, decode_node/__main__.py) call ``run_api_server`` in the
+The node launcher (``common.node.launch.run_node``, both roles) calls ``run_api_server`` in the
 process that should serve HTTP, once their scheduler is ready; it blocks until shutdown. There is
 no API-only entry point: tests/integration/_api_process.py calls ``run_api_server`` the same way.
 """
@@ -13,10 +13,10 @@ import uvicorn
 
 from common import envs
 from common.cpu_budget import limit_api_process
-from common.protocol import IpcEndpoints
+from common.ipc.protocol import IpcEndpoints
 from common.server.app import create_app
 from common.server.config import ApiConfig
-from common.server.scheduler_client import SchedulerClient
+from common.ipc.scheduler_client import SchedulerClient
 from common.server.textio import TokenizerLike
 
 

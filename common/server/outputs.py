@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason
 from common.server.parse_common import SubRequest
 from common.server.textio import TokenizerLike, new_detokenizer, token_piece

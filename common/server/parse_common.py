@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from common.protocol import MAX_BOOTSTRAP_ROOM
+from common.ipc.protocol import MAX_BOOTSTRAP_ROOM
 from common.request import MAX_SEED, InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request

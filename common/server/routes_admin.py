@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from common.server.context import AppContext, read_json
 from common.server.errors import ApiError, bad_request, error_response
-from common.server.scheduler_client import SchedulerGone
+from common.ipc.scheduler_client import SchedulerGone
 
 
 def register(app: FastAPI, ctx: AppContext) -> None:

@@ -16,7 +16,7 @@ from common.server.context import VERSION, AppContext
 from common.server.errors import error_response
 from common.server.generation import Inflight, wait_finished
 from common.server.parse_common import ParsedRequest, SubRequest
-from common.server.scheduler_client import DuplicateRid, SchedulerGone
+from common.ipc.scheduler_client import DuplicateRid, SchedulerGone
 
 
 def register(app: FastAPI, ctx: AppContext) -> None:

@@ -5,7 +5,7 @@ is ready (``run_api_server``), here linked to whatever scheduler listens on the 
     python tests/integration/_api_process.py --role decode|prefill --model-path DIR --port P
         --to-scheduler ipc://... --from-scheduler ipc://... [--scheduler-pid PID] ...
 
-The launchers (prefill_node/launch.py, decode_node/__main__.py) build the ApiConfig from their node
+The node launcher (common/node/launch.py, both roles) builds the ApiConfig from its node
 flags and watch their own child; this helper reads the model directory (``ApiConfig.for_model_dir``)
 and, given ``--scheduler-pid``, watches that pid as the launchers watch their child: requests fail
 with 503 once it is gone.
@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from common import envs  # noqa: E402
-from common.protocol import IpcEndpoints  # noqa: E402
+from common.ipc.protocol import IpcEndpoints  # noqa: E402
 from common.server import ApiConfig, pid_alive, run_api_server  # noqa: E402
 
 

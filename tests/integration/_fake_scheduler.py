@@ -27,7 +27,7 @@ import zmq
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from common.protocol import (  # noqa: E402
+from common.ipc.protocol import (  # noqa: E402
     AbortReq,
     BatchOutput,
     FlushCacheReq,

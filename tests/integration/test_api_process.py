@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from common.protocol import IpcEndpoints
-from common.server.scheduler_client import client_rid
+from common.ipc.protocol import IpcEndpoints
+from common.ipc.scheduler_client import client_rid
 from common.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.integration

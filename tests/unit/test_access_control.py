@@ -21,7 +21,7 @@ from common.auth import SecretError, bearer_matches, resolve_secret
 from common.config import ConfigError
 from common.server.app import create_app
 from common.server.config import ApiConfig
-from common.server.node_launch import transfer_config
+from common.node.launch import transfer_config
 from decode_node.__main__ import build_parser as decode_parser
 from router.config import ConfigError as RouterConfigError
 from router.config import parse_config

@@ -8,7 +8,16 @@ import shutil
 import pytest
 
 from common import envs
-from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, NodeConfig, SchedulerConfig, resolve
+from common.config import (
+    AttentionConfig,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    NodeConfig,
+    SchedulerConfig,
+    TransferConfig,
+    resolve,
+)
 from common.engine.model_runner import ModelRunner
 
 
@@ -25,6 +34,9 @@ def node(model_path: str, **parts: object) -> NodeConfig:
         ({"cache": CacheConfig(max_running_requests=0)}, "max-running-requests"),
         ({"sched": SchedulerConfig(schedule_policy="random")}, "schedule-policy"),  # type: ignore[arg-type]
         ({"attention": AttentionConfig(backend="magic")}, "attention-backend"),
+        ({"sched": SchedulerConfig(reserved_decode_tokens=0)}, "num-reserved-decode-tokens"),
+        ({"sched": SchedulerConfig(prealloc_rows=-1)}, "prealloc_rows"),
+        ({"transfer": TransferConfig(aux_top_k=-1)}, "aux_top_k"),
     ],
 )
 def test_bad_values_are_named(tiny_qwen3: str, parts: dict, needle: str) -> None:
@@ -71,6 +83,13 @@ def test_unknown_arch_and_missing_weights(tiny_qwen3: str, tmp_path: os.PathLike
     cfg = resolve(node(no_weights, cache=CacheConfig(max_total_tokens=256)))
     with pytest.raises(Exception, match="safetensors"):
         ModelRunner(cfg.model, cfg.cache, cfg.attention)
+
+
+def test_the_aux_row_default_is_the_transfer_layers() -> None:
+    """The aux row layout must match on both roles; NodeConfig's default is transfer's."""
+    from transfer.aux import AUX_TOP_K
+
+    assert TransferConfig().aux_top_k == AUX_TOP_K
 
 
 def test_env_var_type_error_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.sched.decode_budget import DecodeBudget, DecodeBudgetConfig, Holder, NewTokenRatio
+from decode_node.budget import DecodeBudget, DecodeBudgetConfig, Holder, NewTokenRatio
 
 
 def budget(total: int = 100, reserved: int = 8) -> DecodeBudget:

@@ -14,13 +14,13 @@ def test_pages_held_by_a_draining_room_are_waited_for_not_reported_as_oom() -> N
     rig.add("a", prompt_of(1, 8), 20, room=1)  # 28 tokens at most: 7 pages
     rig.add("b", prompt_of(2, 8), 2, room=2)  # 2 pages
     rig.step(complete=False)
-    assert {r.rid for r in rig.sched.transfer} == {"a", "b"}
+    assert {r.rid for r in rig.sched.queues.transfer} == {"a", "b"}
     rig.hub.complete(1)
-    rig.sched.abort("b")  # its pages wait in draining: the prefill may still write them
+    rig.abort("b")  # its pages wait in draining: the prefill may still write them
     for _ in range(40):
         rig.step(complete=False)
     assert not rig.finished("a"), "a must wait for b's pages, not fail"
-    assert rig.sched.draining
+    assert rig.sched.queues.draining
     rig.hub.rx[2].status = KVPoll.Failed  # the prefill answers b's abort: its pages come back
     rig.run()
     fin = rig.final("a")
@@ -67,10 +67,10 @@ def test_an_abort_that_raises_still_answers_and_frees_the_room_once() -> None:
         rx.abort_pending = reason
         raise RuntimeError("could not queue AbortRoom")
     rx.abort = abort  # type: ignore[method-assign]
-    rig.sched.abort("x")  # does not raise
+    rig.abort("x")  # does not raise
     rig.step(complete=False)
     assert rig.final("x").finish.type == "abort"  # type: ignore[union-attr]
-    assert rig.sched.draining, "pages stay held until the prefill answers"
+    assert rig.sched.queues.draining, "pages stay held until the prefill answers"
     rx.status = KVPoll.Failed
     rig.run()
     rig.assert_clean()

@@ -18,9 +18,9 @@ from common.kvcache.allocator import PageAllocator
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
-from common.protocol import GenerateReq, ReqOutput
+from common.ipc.protocol import AbortReq, GenerateReq, ReqOutput, WorkItem
 from common.request import SamplingParams
-from common.sched.decode_budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.sched.stop import StopChecker
 from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats
@@ -181,27 +181,37 @@ class Rig:
             DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=16))
         self.stats = DecodeStats(self.sched, aux_slots)
         self.outputs: dict[str, list[ReqOutput]] = {}
+        self.inbox: list[WorkItem] = []  # what the API sent since the last step
 
     def add(self, rid: str, prompt: list[int], max_new: int, room: int | None = None, stream: bool = False,
             **params: object) -> None:
+        """The API sends a request: the scheduler takes it at its next step."""
         if room is not None:
             self.prompts.setdefault(room, prompt)
         sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, **params)  # type: ignore[arg-type]
-        self.sched.add(GenerateReq(rid=rid, input_ids=prompt, sampling=sp, stream=stream,
-                                   bootstrap_host=None if room is None else "127.0.0.1",
-                                   bootstrap_port=None if room is None else 8998, bootstrap_room=room))
+        self.inbox.append(GenerateReq(rid=rid, input_ids=prompt, sampling=sp, stream=stream,
+                                      bootstrap_host=None if room is None else "127.0.0.1",
+                                      bootstrap_port=None if room is None else 8998, bootstrap_room=room))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.append(AbortReq(rid=rid))
 
     def step(self, complete: bool = True) -> None:
-        for o in self.sched.step():
-            assert not self.finished(o.rid), f"output for {o.rid} after its final one"
-            self.outputs.setdefault(o.rid, []).append(o)
+        msgs, self.inbox = self.inbox, []
+        self.record(self.sched.step(msgs))
+        self.sched.check_integrity()
         if complete:
             for room in self.hub.transferring():
                 self.hub.complete(room)
 
+    def record(self, outputs: list[ReqOutput]) -> None:
+        for o in outputs:
+            assert not self.finished(o.rid), f"output for {o.rid} after its final one"
+            self.outputs.setdefault(o.rid, []).append(o)
+
     def run(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
-            if self.sched.idle:
+            if self.sched.idle() and not self.inbox:
                 return
             self.step()
         raise AssertionError("scheduler did not go idle")
@@ -253,9 +263,9 @@ def test_concurrent_mixed_rooms_batch_together_and_match_reference() -> None:
             assert len(rig.outputs[rid]) > 1  # streamed token by token
     assert max(rig.engine.decode_batches) > 4  # continuous batching, not one at a time
     c = rig.sched.counters  # step counters agree with what the engine saw
-    assert c["decode_steps"] == len(rig.engine.decode_batches)
-    assert c["decode_batch_reqs"] == sum(rig.engine.decode_batches)
-    assert c["decode_forward_seconds"] > 0
+    assert c.decode_steps == len(rig.engine.decode_batches)
+    assert c.decode_batch_reqs == sum(rig.engine.decode_batches)
+    assert c.decode_forward_seconds > 0
     rig.assert_clean()
 
 
@@ -345,36 +355,35 @@ def test_duplicate_room_and_oversized_prompt_are_rejected_with_400() -> None:
 @pytest.mark.parametrize("stage", ["prealloc", "transfer", "waiting", "running", "retracted"])
 def test_abort_in_every_stage_answers_once_and_releases_once(stage: str) -> None:
     rig = Rig(max_running=1)
-    if stage == "waiting":
+    if stage in ("waiting", "retracted"):
         rig.add("busy", prompt_of(3, 4), 30, room=3)
         rig.step()
         rig.step()  # "busy" occupies the only running slot
     rig.hub.auto_handshake = stage != "prealloc"
     rig.add("x", prompt_of(1, 9), 30, room=1, stream=True)
     if stage == "retracted":
-        rig.sched.abort("x")
+        rig.abort("x")
         rig.step(complete=False)
         rig.outputs.clear()
-        rig.add("x", prompt_of(1, 9), 30)  # a local request sits in the retracted queue first
-        stage_queue = rig.sched.retracted
-    else:
-        stage_queue = {"prealloc": rig.sched.prealloc, "transfer": rig.sched.transfer,
-                       "waiting": rig.sched.waiting, "running": rig.sched.running}[stage]  # type: ignore[assignment]
-        for _ in range(3):
-            if any(r.rid == "x" for r in stage_queue):
-                break
-            rig.step(complete=stage != "transfer")
+        rig.add("x", prompt_of(1, 9), 30)  # a local request waits in the retracted queue to be computed
+    q = rig.sched.queues
+    stage_queue = {"prealloc": q.prealloc, "transfer": q.transfer, "waiting": q.waiting, "running": q.running,
+                   "retracted": q.retracted}[stage]
+    for _ in range(3):
+        if any(r.rid == "x" for r in stage_queue):
+            break
+        rig.step(complete=stage != "transfer")
     assert any(r.rid == "x" for r in stage_queue), stage
-    rig.sched.abort("x")
-    rig.sched.abort("x")  # a second abort is a no-op
+    rig.abort("x")
+    rig.abort("x")  # a second abort is a no-op
     rig.step(complete=False)
     fin = rig.final("x").finish
     assert fin is not None and fin.type == "abort"
     if stage == "transfer":
         # The prefill may still write into the room's pages: they stay held until it answers.
-        assert rig.sched.draining and rig.memory.allocator.num_free < 64
+        assert rig.sched.queues.draining and rig.memory.allocator.num_free < 64
         rig.hub.rx[1].status = KVPoll.Failed
-    rig.sched.abort("busy")
+    rig.abort("busy")
     rig.run()
     rig.assert_clean()
 
@@ -391,7 +400,7 @@ def test_fenced_room_is_answered_at_once_but_its_memory_held_until_the_fence_lif
     assert fin.finish is not None and fin.finish.type == "abort" and fin.http_status == 503
     m = rig.stats.memory()
     assert (m["fenced_reqs"], m["fenced_pages"]) == (1, 2) and m["free_pages"] == 14 and m["aux_free_slots"] == 15
-    assert rig.stats.metrics()["fenced_reqs"] == 1 and not rig.sched.idle
+    assert rig.stats.metrics()["fenced_reqs"] == 1 and not rig.sched.idle()
     # A room arriving now gets other pages: the fenced ones are never handed out.
     rig.add("y", prompt_of(2, 2 * PS), 3, room=2)
     for _ in range(20):
@@ -431,7 +440,7 @@ def test_forced_retraction_still_gives_reference_tokens() -> None:
     for i, (rid, (prompt, n)) in enumerate(cases.items()):
         rig.add(rid, prompt, n, room=i, stream=i % 2 == 0)
     rig.run()
-    assert rig.sched.counters["retractions"] > 0
+    assert rig.sched.counters.retractions > 0
     assert rig.sched.ratio.value > 0.05  # a retraction makes the ratio conservative again
     for rid, (prompt, n) in cases.items():
         assert rig.tokens(rid) == reference(prompt, n), rid
@@ -444,11 +453,12 @@ def test_retracted_requests_resume_before_new_rooms() -> None:
         rig.add(f"q{i}", prompt_of(i, 8), 30, room=i)
     for _ in range(200):
         rig.step()
-        if rig.sched.retracted:
+        if rig.sched.queues.retracted:
             break
-    assert rig.sched.retracted
+    assert rig.sched.queues.retracted
     rig.add("late", prompt_of(9, 4), 2, room=99)
-    while rig.sched.retracted:
+    rig.step()  # takes "late": its receiver is ready at once, its pages must wait
+    while rig.sched.queues.retracted:
         assert rig.hub.rx[99].pages is None, "a new room got pages while a retracted request waited"
         rig.step()
     rig.run()
@@ -469,17 +479,24 @@ def test_new_token_ratio_decays_per_decode_step_and_resets_when_idle() -> None:
 
 
 def test_load_and_metrics_report_queues() -> None:
-    rig = Rig()
+    rig = Rig(max_running=1)
+    rig.add("r", prompt_of(3, 4), 30, room=3)
+    rig.step()
+    rig.step()  # "r" occupies the only running slot
     rig.hub.auto_handshake = False
-    rig.add("a", prompt_of(1, 4), 10, room=1)
-    rig.add("b", prompt_of(2, 4), 10)
+    rig.add("a", prompt_of(1, 4), 10, room=1)  # stays in prealloc: its prefill never answers
+    rig.add("b", prompt_of(2, 4), 10)  # local: waits in retracted for the running slot
+    rig.step(complete=False)
+    [running] = rig.sched.queues.running
+    assert running.rid == "r" and running.kv is not None
     load = rig.stats.load()
-    assert load == {"num_reqs": 2, "num_waiting_reqs": 2, "num_tokens": 0}
+    assert load == {"num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": len(running.kv.pages) * PS}
     met = rig.stats.metrics()
-    assert met["num_running_reqs"] == 0 and met["num_waiting_reqs"] == 2
+    assert met["num_running_reqs"] == 1 and met["num_waiting_reqs"] == 2
+    assert met["num_prealloc_reqs"] == 1 and met["num_retracted_reqs"] == 1
     ok, _ = rig.stats.flush_cache()
     assert not ok
-    rig.sched.abort("a")
+    rig.abort("a")
     rig.run()
     assert rig.stats.flush_cache()[0]
     rig.assert_clean()
@@ -503,13 +520,12 @@ def test_fail_all_answers_every_request_with_500_and_fences_transfers() -> None:
     rig.step()
     rig.add("xfer", prompt_of(2, 5), 20, room=2)
     rig.add("local", prompt_of(3, 5), 20)
-    rig.sched.step()  # "xfer" gets its pages; nobody completes it
-    assert [r.rid for r in rig.sched.transfer] == ["xfer"]
-    for o in rig.sched.fail_all("internal error in the decode scheduler: boom"):
-        rig.outputs.setdefault(o.rid, []).append(o)
+    rig.step(complete=False)  # "xfer" gets its pages; nobody completes it
+    assert [r.rid for r in rig.sched.queues.transfer] == ["xfer"]
+    rig.record(rig.sched.fail_all("internal error in the decode scheduler: boom"))
     for rid in ("run", "xfer", "local"):
         assert rig.final(rid).http_status == 500 and "boom" in (rig.final(rid).error or "")
-    assert rig.sched.draining and rig.hub.rx[2].abort_pending is not None
+    assert rig.sched.queues.draining and rig.hub.rx[2].abort_pending is not None
     rig.hub.rx[2].status = KVPoll.Failed  # the prefill answers the abort
     rig.run()
     rig.assert_clean()

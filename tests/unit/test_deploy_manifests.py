@@ -30,7 +30,7 @@ import pytest
 
 from common import envs
 from common.cli import COMMANDS
-from common.server.node_launch import (
+from common.node.launch import (
     STARTUP_TIMEOUT_S,
     STOP_GRACE_S,
     attention_config,
@@ -102,7 +102,7 @@ def _resolve(args: list[str], env: dict[str, str]) -> list[str]:
 
 def _role_parser(role: str) -> argparse.ArgumentParser:
     if role == "prefill":
-        from prefill_node.launch import build_parser
+        from prefill_node.__main__ import build_parser
     else:
         from decode_node.__main__ import build_parser
     return build_parser()
@@ -250,7 +250,7 @@ def _render(kdir: Path) -> Rendered:
 def _app_get_routes() -> set[str]:
     from common.server.app import create_app
     from common.server.config import ApiConfig
-    from common.server.scheduler_client import SchedulerClient
+    from common.ipc.scheduler_client import SchedulerClient
 
     # Building the app binds nothing: sockets open in its lifespan, which never runs here.
     client = SchedulerClient("ipc:///nonexistent-to", "ipc:///nonexistent-from")

@@ -13,7 +13,7 @@ import torch
 
 from common.config import AttentionConfig, CacheConfig, ModelConfig, NodeConfig, resolve
 from common.engine.driver import EngineDriver
-from common.engine.local import LocalEngine
+from tests.local_engine import LocalEngine
 from common.engine.model_runner import ModelRunner
 from common.engine.sampler import Sampler
 from common.request import SamplingParams

@@ -128,6 +128,19 @@ def test_no_package_module_imports_a_tool() -> None:
     assert not bad, "package modules that import a command-line tool:\n" + "\n".join(sorted(bad))
 
 
+def test_common_holds_only_what_is_shared() -> None:
+    """docs/ARCHITECTURE.md: common/ holds what both roles (or the router, the registry, the
+    transfer layer, common itself) use. A module of common that only one role imports belongs to
+    that role (as the prefill adder and the decode budget did)."""
+    importers: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        for dep in deps:
+            importers.setdefault(dep, set()).add(module.split(".")[0])
+    one_role = sorted(m for m, pkgs in importers.items()
+                      if m.startswith("common.") and len(pkgs) == 1 and pkgs <= {"prefill_node", "decode_node"})
+    assert not one_role, "modules of common/ that only one role imports (move them to it): " + ", ".join(one_role)
+
+
 def test_the_graph_sees_lazy_and_relative_imports() -> None:
     """The reader itself: a function-level import counts, and so does a `from pkg import module`."""
     graph = import_graph()

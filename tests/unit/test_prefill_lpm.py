@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from common.kvcache.allocator import PageAllocator
 from common.kvcache.radix_cache import RadixCache
-from common.protocol import AbortReq
+from common.ipc.protocol import AbortReq
 from tests.unit.test_prefill_scheduler import Node, gen, prompt
 from transfer.poll import KVPoll
 
@@ -65,7 +65,7 @@ def test_lpm_steps_that_admit_nothing_leave_the_cache_untouched() -> None:
     assert len(before) == 1 and len(before[0][1]) == 3
     for _ in range(3):
         node.step()
-    assert [r.rid for r in node.sched.waiting] == ["x", "y"]
+    assert [r.rid for r in node.sched.queues.waiting] == ["x", "y"]
     assert tree_state(node.memory.cache) == before, "ordering waiting requests stamped or split the cache"
     node.step(AbortReq(rid="x"), AbortReq(rid="y"))
     node.sender(2).state = KVPoll.Success

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from common.protocol import (
+from common.ipc.protocol import (
     AbortReq,
     BatchOutput,
     FlushCacheReq,
@@ -21,7 +21,7 @@ from common.protocol import (
     encode,
 )
 from common.request import FinishReason, SamplingParams
-from common.sched.node_io import NodeIO, RateMeter
+from common.ipc.node_io import NodeIO, RateMeter
 
 
 class Stats:

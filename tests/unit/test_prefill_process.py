@@ -1,5 +1,6 @@
-"""PrefillProcess start-up failures release what was already built (tiny model, fake data plane,
-in-memory bootstrap registry; no network besides loopback ZMQ)."""
+"""The prefill's node process: start-up failures release what was already built, and the built
+scheduler refuses what the model cannot hold (tiny model, fake data plane, in-memory bootstrap
+registry; no network besides loopback ZMQ)."""
 from __future__ import annotations
 
 import pathlib
@@ -9,11 +10,14 @@ import pytest
 import zmq
 
 import transfer
+import transfer.bootstrap
+import transfer.factory
 from common.config import NodeConfig, resolve
-from common.protocol import GenerateReq, IpcEndpoints
+from common.ipc.protocol import GenerateReq, IpcEndpoints
 from common.request import SamplingParams
-from prefill_node.launch import build_parser, config_from_args
-from prefill_node.process import PrefillOptions, PrefillProcess
+from common.node.process import NodeProcess
+from prefill_node.__main__ import build_parser, config_from_args
+from prefill_node.process import PrefillPart
 from tests.unit.transfer_harness import MemoryBootstrap
 from transfer.backends.fake import FakeDataPlane
 
@@ -44,18 +48,22 @@ def node_config(model: str) -> NodeConfig:
     return resolve(config_from_args(ns))
 
 
+def prefill_process(cfg: NodeConfig, endpoints: IpcEndpoints) -> NodeProcess:
+    return NodeProcess(cfg, PrefillPart(cfg.sched, cfg.transfer, BOOT), endpoints)
+
+
 @pytest.fixture
 def tracked(monkeypatch: pytest.MonkeyPatch) -> list[TrackedPlane]:
     TrackedPlane.built = []
-    monkeypatch.setattr(transfer, "create_data_plane", lambda *a, **kw: TrackedPlane())
+    monkeypatch.setattr(transfer.factory, "create_data_plane", lambda *a, **kw: TrackedPlane())
     return TrackedPlane.built
 
 
 def test_data_plane_is_closed_when_the_manager_cannot_start(tiny_qwen3: str, tracked: list[TrackedPlane],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfer, "HttpBootstrapClient", RefusingBootstrap)
+    monkeypatch.setattr(transfer.bootstrap, "HttpBootstrapClient", RefusingBootstrap)
     with pytest.raises(transfer.TransferError, match="bootstrap server not up"):
-        PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), IpcEndpoints.fresh(), BOOT)
+        prefill_process(node_config(tiny_qwen3), IpcEndpoints.fresh())
     (plane,) = tracked
     assert plane.closed
 
@@ -63,10 +71,10 @@ def test_data_plane_is_closed_when_the_manager_cannot_start(tiny_qwen3: str, tra
 def test_manager_is_closed_when_a_later_part_cannot_start(tiny_qwen3: str, tracked: list[TrackedPlane],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     boot = MemoryBootstrap()
-    monkeypatch.setattr(transfer, "HttpBootstrapClient", lambda: boot)
+    monkeypatch.setattr(transfer.bootstrap, "HttpBootstrapClient", lambda: boot)
     bad = IpcEndpoints(to_scheduler="ipc:///nonexistent-dir/pdc-in", from_scheduler="ipc:///nonexistent-dir/pdc-out")
     with pytest.raises(zmq.ZMQError):  # NodeIO cannot bind its socket
-        PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), bad, BOOT)
+        prefill_process(node_config(tiny_qwen3), bad)
     (plane,) = tracked
     assert plane.closed
     assert boot.registries[BOOT].layout() is None, "the rank is deregistered"
@@ -79,8 +87,8 @@ def test_prompts_of_the_context_length_are_refused_before_any_pool(tiny_qwen3: s
     """The row holds whole pages (48 tokens here) but the model's context is 40: a prompt of 40
     tokens leaves no room for a token and is refused like the API would."""
     boot = MemoryBootstrap()
-    monkeypatch.setattr(transfer, "HttpBootstrapClient", lambda: boot)
-    proc = PrefillProcess(node_config(tiny_qwen3), PrefillOptions(), IpcEndpoints.fresh(str(tmp_path)), BOOT)
+    monkeypatch.setattr(transfer.bootstrap, "HttpBootstrapClient", lambda: boot)
+    proc = prefill_process(node_config(tiny_qwen3), IpcEndpoints.fresh(str(tmp_path)))
     try:
         sched = proc.scheduler
         assert sched.memory.req_to_token.max_context_len == 48 and sched.cfg.context_len == 40

@@ -3,12 +3,9 @@ request alone; every request is still answered and released exactly once, the qu
 consistent (``check_integrity`` after every step), and later requests keep being served."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from common.protocol import AbortReq, ReqOutput
-from prefill_node.process import PrefillProcess
+from common.ipc.protocol import AbortReq
 from tests.unit.test_prefill_scheduler import Node, StubSender, _release_blocker, _to_stage, gen, prompt
 from transfer.poll import KVPoll
 
@@ -32,7 +29,7 @@ def raising_abort(s: StubSender, times: int = 1) -> None:
 
 def run_until_idle(node: Node, steps: int = 20) -> None:
     for _ in range(steps):
-        if not node.sched.reqs:
+        if not node.sched.queues.reqs:
             break
         node.step()
     node.assert_idle()
@@ -141,41 +138,24 @@ def test_send_error_other_than_transfer_error_fails_only_that_request() -> None:
     assert node.replies["a"].http_status == 500 and node.replies["b"].error is None
 
 
-class _LoopIO:
-    def __init__(self, stop: threading.Event, turns: int) -> None:
-        self.stop, self.turns, self.sent = stop, turns, 0
+def test_replies_of_a_step_that_raised_are_handed_out_by_fail_all() -> None:
+    """A reply made before an exception escaped the step is not lost: fail_all hands it out."""
+    node = Node()
+    node.step(gen("a", prompt(5), room=1), gen("b", prompt(5, base=9), room=2))
+    node.ready(1)
+    node.step()  # a in flight, b bootstrapping
+    node.sender(1).state = KVPoll.Success
 
-    def recv(self, wait: float) -> list:
-        self.turns -= 1
-        if self.turns <= 0:
-            self.stop.set()
-        return []
-
-    def send(self, outputs: list[ReqOutput]) -> None:
-        self.sent += 1
-
-
-class _Broken:
-    reqs: dict = {}
-
-    def has_runnable(self) -> bool:
-        return False
-
-    def step(self, items: list) -> list[ReqOutput]:
-        raise Boom("step")
-
-    def fail_all(self, reason: str) -> list[ReqOutput]:
-        raise Boom("fail_all")
-
-
-class _Stats:
-    def observe_step(self) -> None:
-        pass
-
-
-def test_serve_survives_a_step_and_fail_all_that_both_raise() -> None:
-    proc = PrefillProcess.__new__(PrefillProcess)  # the loop only; no model, no sockets
-    stop = threading.Event()
-    proc.scheduler, proc.io, proc.stats = _Broken(), _LoopIO(stop, 3), _Stats()  # type: ignore[assignment]
-    proc.serve(stop)
-    assert proc.io.sent == 3  # type: ignore[attr-defined]
+    def broken() -> list:
+        raise Boom("schedule")
+    node.sched._schedule = broken  # type: ignore[method-assign]
+    with pytest.raises(Boom):
+        node.sched.step([])  # a was answered and released before _schedule raised
+    out = {o.rid: o for o in node.sched.fail_all("internal error")}
+    assert out["a"].error is None and out["a"].finish is not None
+    assert "b" not in out  # failed, answered once its room is terminal
+    del node.sched._schedule  # type: ignore[attr-defined]
+    for o in out.values():
+        node.replies[o.rid] = o
+    run_until_idle(node)
+    assert node.replies["b"].http_status == 500

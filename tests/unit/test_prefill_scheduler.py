@@ -18,9 +18,9 @@ from common.kvcache.allocator import PageAllocator
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
-from common.protocol import AbortReq, GenerateReq, ReqOutput
+from common.ipc.protocol import AbortReq, GenerateReq, ReqOutput
 from common.request import SamplingParams
-from common.sched.prefill_adder import PrefillBudget
+from prefill_node.adder import PrefillBudget
 from common.sched.stop import StopChecker
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
@@ -140,7 +140,7 @@ class Node:
             self.sender(r).state = KVPoll.WaitingForInput
 
     def assert_idle(self) -> None:
-        assert not self.sched.reqs
+        assert not self.sched.queues.reqs
         mem = self.stats.memory()
         assert mem["held_pages"] == 0 and mem["free_req_slots"] == mem["total_req_slots"]
         assert mem["free_pages"] + mem["cached_pages"] == mem["total_pages"]
@@ -169,7 +169,7 @@ def test_bootstrap_forward_transfer_release() -> None:
     node.ready(7)
     assert node.step() == []
     s = node.sender(7)
-    kv = node.sched.inflight[0].kv
+    kv = node.sched.queues.inflight[0].kv
     assert kv is not None and len(kv.pages) == 3
     assert s.sent == [(kv.pages, True, AuxRecord(room=7, token_id=token_for(ids), cached_tokens=0, logprob=-0.25,
                                                  top_ids=(token_for(ids), token_for(ids) + 1), top_logprobs=(-0.25, -1.5)))]
@@ -191,18 +191,18 @@ def test_chunked_prefill_sends_each_page_once_in_order(page_size: int, chunk: in
     node.step(gen("a", ids, room=1))
     node.ready(1)
     steps = 0
-    while node.sched.chunked is not None or steps == 0:
+    while node.sched.queues.chunked is not None or steps == 0:
         node.step()
         steps += 1
         s = node.sender(1)
-        req = node.sched.chunked or node.sched.inflight[0]
+        req = node.sched.queues.chunked or node.sched.queues.inflight[0]
         assert req.kv is not None
         # everything sent so far is whole pages of computed tokens (the partial page waits)
-        if node.sched.chunked is not None:
+        if node.sched.queues.chunked is not None:
             assert len(s.pages) == req.kv.kv_len // page_size
     assert steps == -(-length // chunk)
     s = node.sender(1)
-    kv = node.sched.inflight[0].kv
+    kv = node.sched.queues.inflight[0].kv
     assert kv is not None
     assert s.pages == kv.pages and len(kv.pages) == -(-length // page_size)
     assert [last for _, last, _ in s.sent] == [False] * (len(s.sent) - 1) + [True]
@@ -222,14 +222,14 @@ def test_second_request_reuses_the_cached_prefix_and_sends_those_pages_too() -> 
     node.step(gen("a", a, room=1))
     node.ready(1)
     node.step()
-    cached_pages = node.sched.inflight[0].kv.pages[:2]  # type: ignore[union-attr]
+    cached_pages = node.sched.queues.inflight[0].kv.pages[:2]  # type: ignore[union-attr]
     node.sender(1).state = KVPoll.Success
     node.step()
     b = a[:8] + prompt(5, base=50)
     node.step(gen("b", b, room=2))
     node.ready(2)
     node.step()
-    req = node.sched.inflight[0]
+    req = node.sched.queues.inflight[0]
     assert req.kv is not None and req.kv.num_cached == 8
     mem = node.stats.memory()  # the 2 cached pages are the cache's, not also the request's
     assert mem["held_pages"] == len(req.kv.pages) - 2 == mem["transfer_pages"]
@@ -285,8 +285,8 @@ def test_kv_capacity_counts_pages_held_by_transfers() -> None:
     node.ready(2)
     node.step()
     assert len(node.engine.calls) == 1, "b needs 3 pages, only 2 are free"
-    assert [r.rid for r in node.sched.waiting] == ["b"]
-    assert not node.sched.has_runnable(), "nothing fits: the loop may wait instead of spinning"
+    assert [r.rid for r in node.sched.queues.waiting] == ["b"]
+    assert not node.sched.runnable(), "nothing fits: the loop may wait instead of spinning"
     node.sender(1).state = KVPoll.Success
     node.step()  # a releases (4 full pages cached, evictable); b fits by evicting one
     assert len(node.engine.calls) == 2
@@ -308,15 +308,15 @@ def _to_stage(node: Node, stage: str, length: int = 10) -> None:
         node.step(gen("blocker", prompt(node.memory.allocator.num_total * node.memory.page_size, base=90), room=BLOCKER))
         node.ready(BLOCKER)
         node.step()
-        assert node.sched.inflight and node.memory.available_pages() == 0
+        assert node.sched.queues.inflight and node.memory.available_pages() == 0
     node.step(gen("a", prompt(length), room=1))
     if stage == "bootstrap":
         return
     node.ready(1)
     node.step()
-    assert (node.sched.chunked is not None) == (stage == "chunked")
-    assert [r.rid for r in node.sched.waiting] == (["a"] if stage == "waiting" else [])
-    assert ([r.rid for r in node.sched.inflight] == ["a"]) == (stage == "inflight")
+    assert (node.sched.queues.chunked is not None) == (stage == "chunked")
+    assert [r.rid for r in node.sched.queues.waiting] == (["a"] if stage == "waiting" else [])
+    assert ([r.rid for r in node.sched.queues.inflight] == ["a"]) == (stage == "inflight")
 
 
 def _release_blocker(node: Node) -> None:
@@ -349,7 +349,7 @@ def test_abort_in_any_queue_waits_for_the_fence_then_releases_once(stage: str) -
     assert s.aborts == ["aborted by the client"]
     if s.writing:
         assert out == [] and node.stats.memory()["held_pages"] > 0, "pages kept while a write may read them"
-        assert node.sched.inflight and node.sched.chunked is None
+        assert node.sched.queues.inflight and node.sched.queues.chunked is None
         calls = len(node.engine.calls)
         assert node.step() == [] and len(node.engine.calls) == calls, "an aborted request computes nothing more"
         s.writing = False
@@ -411,7 +411,7 @@ def test_bad_input_is_rejected_before_any_pool_is_touched() -> None:
     assert all(o.http_status == 400 for o in out)
     assert "empty prompt" in by["empty"].error and "context length" in by["long"].error  # type: ignore[operator]
     assert "KV pages" in by["big"].error and "router" in by["local"].error  # type: ignore[operator]
-    assert node.stats.memory() == before and not node.sched.reqs
+    assert node.stats.memory() == before and not node.sched.queues.reqs
     # The decode of each rejected room is told at once (its room aborted with the reason),
     # instead of holding its pages until the bootstrap timeout.
     for room, rid in ((1, "empty"), (2, "long"), (3, "big")):
@@ -505,7 +505,7 @@ def test_any_interleaving_releases_everything_exactly_once(events: list, page_si
         if s.state is KVPoll.Bootstrapping:
             s.state = KVPoll.WaitingForInput
     for _ in range(200):
-        if not node.sched.reqs:
+        if not node.sched.queues.reqs:
             break
         for s in node.senders.by_room.values():
             if s.state is KVPoll.Transferring and s.sent and s.sent[-1][1]:

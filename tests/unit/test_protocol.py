@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from common.protocol import (
+from common.ipc.protocol import (
     AbortReq,
     BatchOutput,
     FlushCacheReq,
@@ -74,7 +74,7 @@ def test_wire_tags_are_the_documented_names() -> None:
     msgspec.msgpack.encode([1, 2, 3]),
 ], ids=["empty", "bad-byte", "missing", "unknown-tag", "wrong-type", "array"])
 def test_malformed_frames_are_logged_and_dropped(buf: bytes, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.ERROR, logger="common.protocol"):
+    with caplog.at_level(logging.ERROR, logger="common.ipc.protocol"):
         assert decode_to_scheduler(buf) is None
     assert "dropping malformed" in caplog.text
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.protocol import GenerateReq, decode_to_scheduler, encode
+from common.ipc.protocol import GenerateReq, decode_to_scheduler, encode
 from common.request import InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError

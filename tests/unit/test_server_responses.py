@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
 from common.server import metrics as metrics_mod
 from common.server.config import ApiConfig

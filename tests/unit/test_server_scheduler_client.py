@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.protocol import (
+from common.ipc.protocol import (
     AbortReq,
     BatchOutput,
     GenerateReq,
@@ -25,10 +25,10 @@ from common.protocol import (
     encode,
 )
 from common.request import FinishReason, SamplingParams
-from common.server import scheduler_client as scheduler_client_mod
+from common.ipc import scheduler_client as scheduler_client_mod
 from common.server.app import create_app
 from common.server.config import ApiConfig
-from common.server.scheduler_client import DuplicateRid, SchedulerClient, SchedulerGone, client_rid
+from common.ipc.scheduler_client import DuplicateRid, SchedulerClient, SchedulerGone, client_rid
 from common.tokenizer import Tokenizer
 
 WAIT_S = 5.0

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from common.protocol import ReqOutput
+from common.ipc.protocol import ReqOutput
 from common.request import FinishReason
 from common.server.config import ApiConfig
 from common.server.generation import Inflight

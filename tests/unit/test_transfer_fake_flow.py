@@ -7,12 +7,10 @@ import threading
 import time
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 import zmq
 
-from common.config import TransferConfig
 from common.kvcache.pool import KVLayout
 from tests.unit.transfer_harness import (  # noqa: F401  (cluster is a fixture)
     ADDR,
@@ -28,7 +26,6 @@ from tests.unit.transfer_harness import (  # noqa: F401  (cluster is a fixture)
 from transfer.aux import AuxRecord
 from transfer.config import KVManagerConfig
 from transfer.errors import TransferError
-from transfer.factory import build_decode_manager, build_prefill_manager
 from transfer.poll import KVPoll
 
 def test_happy_path_chunks_descriptors_and_states(cluster: Cluster) -> None:
@@ -282,18 +279,6 @@ def test_decode_restart_with_same_session_fails_old_rooms(cluster: Cluster) -> N
     assert until_terminal(r2)[0] is KVPoll.Success and until_terminal(s2)[0] is KVPoll.Success
     dm2.close()  # silent from now on, no rooms: the prefill forgets it
     wait_for(lambda: not pm.tables()["decodes"], timeout=3)
-
-
-def test_factory_builds_managers_from_transfer_config(cluster: Cluster) -> None:
-    tc = TransferConfig(backend="fake", bootstrap_timeout_s=1.0, heartbeat_interval_s=0.1)
-    pm = build_prefill_manager(tc, make_side().args, ADDR, cluster.boot)
-    cluster.managers.append(pm)
-    dm = build_decode_manager(tc, make_side().args, cluster.boot, tick_s=0.01)
-    cluster.managers.append(dm)
-    assert pm.engine.name == "fake" and pm.config.bootstrap_timeout_s == 1.0 and dm.config.tick_s == 0.01
-    sender, recv = handshake(pm, dm, room=1, dst_pages=[3])
-    sender.send(np.array([2]), last_chunk=True)
-    assert until_terminal(recv)[0] is KVPoll.Success
 
 
 def test_duplicate_room_is_rejected(cluster: Cluster) -> None:

@@ -1,4 +1,5 @@
-"""The API process's end of the ZMQ link to its scheduler (see common/protocol.py).
+"""The API process's end of the ZMQ link to its scheduler. The messages are ``common.ipc.protocol``'s;
+the other end is ``common.ipc.node_io``.
 
 One asyncio task reads ``from_scheduler`` and dispatches: each ``ReqOutput`` to the queue of
 the HTTP request that owns its rid, each ``QueryReply`` to the future waiting for it. One task
@@ -33,7 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from common.protocol import (
+from common.ipc.protocol import (
     AbortReq,
     BatchOutput,
     FlushCacheReq,

@@ -1,14 +1,22 @@
-"""What the prefill and decode launchers share: the common flags, the node config they build,
-the scheduler child process (spawn, wait for "ready", stop) and the scheduler-process entry
-skeleton. Each role adds only its own flags and its own scheduler process class.
+"""The node launcher, both roles: flags both take, the node config they build, the spawned
+scheduler child and ``run_node``, the launcher's life from config to exit. Each role adds only its
+own flags, its role part and, for the prefill, the bootstrap registry it embeds.
 
 ::
 
     launcher (API process)                        scheduler process (spawned)
-    SchedulerChild.start() ──spawn──> run_scheduler_process(build) -> build() -> proc.serve(stop)
-    SchedulerChild.wait_ready()  <── ("ready", info) | ("error", reason) over a pipe
-    run_api_server(...)          <== ZMQ ipc ==>  NodeIO in proc
-    SchedulerChild.stop()        ──SIGTERM (SIGKILL after a grace period)──>
+    run_node(role, cfg, part):
+      sidecar.start()   (prefill: bootstrap registry)
+      SchedulerChild.start() ──spawn──> common.node.process.run_scheduler(part, cfg, endpoints)
+      SchedulerChild.wait_ready()  <── ("ready", info) | ("error", reason) over a pipe
+      run_api_server(...)          <== ZMQ ipc ==>  NodeIO in the scheduler process
+      SchedulerChild.stop()        ──SIGTERM (SIGKILL after a grace period)──>
+      sidecar.stop()
+
+Exit status: 2 for a bad flag (``ConfigError``, before anything starts), 1 when the node cannot
+start (port taken, model that does not load: the reason is logged) or, for a role that exits
+with its scheduler, when the scheduler died; 0 after a normal shutdown. Never a node that serves
+503s forever because its scheduler never came up.
 """
 from __future__ import annotations
 
@@ -18,18 +26,30 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from common import envs
 from common.auth import SecretError, resolve_secret
-from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, ServerConfig, TransferConfig
-from common.cpu_budget import CpuBudgetError, CpuConfig, apply_scheduler_budget, cpu_config
-from common.protocol import IpcEndpoints
+from common.config import (
+    AttentionConfig,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    NodeConfig,
+    ServerConfig,
+    TransferConfig,
+    resolve,
+)
+from common.cpu_budget import CpuBudgetError, CpuConfig, cpu_config
+from common.ipc.protocol import IpcEndpoints
+from common.node.process import RolePart, run_scheduler
+from common.server.config import ApiConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +61,7 @@ class StartupError(RuntimeError):
     """The scheduler process could not start; the message says why."""
 
 
-# -- flags and config ---------------------------------------------------------------------------
+# -- flags and config ---------------------------------------------------------------------------------
 
 
 def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
@@ -108,18 +128,6 @@ def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
         raise ConfigError(str(exc)) from exc
 
 
-def advertise_host(host: str) -> str:
-    """The address peers should use to reach us: ``host`` unless it is a wildcard."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it picks the outgoing interface
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
 # -- the scheduler child, seen from the launcher -------------------------------------------------------
 
 
@@ -174,39 +182,85 @@ class SchedulerChild:
                 os.unlink(path)
 
 
-# -- the scheduler process's entry skeleton ----------------------------------------------------------------
+# -- the launcher's life -------------------------------------------------------------------------
 
 
-class SchedulerProcess(Protocol):
-    def ready_info(self) -> dict: ...
+class Sidecar(Protocol):
+    """Something the launcher runs beside the scheduler (the prefill's bootstrap registry)."""
 
-    def serve(self, stop: threading.Event) -> None: ...
+    def start(self) -> None:
+        """Raises ``StartupError`` (the node exits 1 with its message) when it cannot start."""
+        ...
 
-    def close(self) -> None: ...
+    def stop(self) -> None: ...
 
 
-def run_scheduler_process(tag: str, build: Callable[[], SchedulerProcess], ready: Connection | None,
-                          cpu: CpuConfig | None = None) -> None:
-    """Body of a role's scheduler-process entry point: size the thread pools, build, report
-    ready/error, serve until stop."""
-    logging.basicConfig(level=envs.LOG_LEVEL.get(), format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+def node_config(role: str, ns: argparse.Namespace, from_args: Callable[[argparse.Namespace], NodeConfig]
+                ) -> tuple[NodeConfig, ApiConfig] | None:
+    """The resolved node config and the API's slice of it; None (after saying why on stderr)
+    for a bad flag, which the launcher answers with exit status 2."""
     try:
-        if cpu is not None:
-            apply_scheduler_budget(cpu)  # before the model loads: torch's pools are sized once
-        proc = build()
-    except Exception as exc:
-        log.exception("%s failed to start", tag)
-        if ready is not None:
-            ready.send(("error", f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
+        cfg = resolve(from_args(ns))
+        api_cfg = ApiConfig.from_node_config(cfg)
+        api_cfg.validate()
+    except ConfigError as exc:
+        print(f"pdcluster {role}: {exc}", file=sys.stderr)
+        return None
+    return cfg, api_cfg
+
+
+def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
+             sidecar: Callable[[SchedulerChild], Sidecar] | None = None, exit_with_scheduler: bool = False) -> int:
+    """Run one node until shutdown; the exit status (module docstring).
+
+    ``sidecar(child)`` runs beside the scheduler, started first and stopped last. With
+    ``exit_with_scheduler`` (the decode) the node shuts down when its scheduler dies, so a
+    supervisor sees one failed node instead of a zombie half; without it (the prefill) the API
+    stays up and answers 503, and ``/health`` says so.
+    """
+    from common.server import run_api_server
+
+    role = part.role
+    endpoints = IpcEndpoints.fresh()
+    child = SchedulerChild(run_scheduler, (part, cfg, endpoints), f"pdc-{role}-scheduler", endpoints)
+    side = sidecar(child) if sidecar is not None else None
+    stopping, died = threading.Event(), threading.Event()
+    # Until uvicorn installs its own handlers, SIGTERM must still run the cleanup below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        if ready is not None:
-            cpu_info = cpu.as_dict() if cpu is not None else None
-            ready.send(("ready", {"pid": os.getpid(), "cpu": cpu_info, **proc.ready_info()}))
-            ready.close()
-        proc.serve(stop)
+        if side is not None:
+            side.start()
+        child.start()
+        info = child.wait_ready()
+        log.info("%s scheduler %d ready (CPU %s); serving HTTP on %s:%d", role, info["pid"], info["cpu"],
+                 cfg.server.host, cfg.server.port)
+        if exit_with_scheduler:
+            threading.Thread(target=_watch_scheduler, args=(child, stopping, died, role), daemon=True).start()
+        api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
+                                                      "max_total_tokens": info["max_total_tokens"],
+                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"]})
+        run_api_server(api_cfg, endpoints, scheduler_alive=child.alive)
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 1
+    except SystemExit:  # SIGTERM (re-raised by uvicorn after its graceful shutdown)
+        if not died.is_set():
+            raise
     finally:
-        proc.close()
+        stopping.set()
+        child.stop()
+        if side is not None:
+            side.stop()
+    return 1 if died.is_set() else 0
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _watch_scheduler(child: SchedulerChild, stopping: threading.Event, died: threading.Event, role: str) -> None:
+    child.proc.join()
+    if not stopping.is_set():
+        died.set()
+        log.error("the %s scheduler process exited (status %s); shutting the node down", role, child.proc.exitcode)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's handler: graceful shutdown of the API

@@ -1,4 +1,5 @@
-"""The scheduler process's end of the API <-> scheduler link (role-agnostic; see common/protocol.py).
+"""The scheduler process's end of the API <-> scheduler link (role-agnostic). The messages are
+``common.ipc.protocol``'s; the other end is ``common.ipc.scheduler_client``.
 
 ::
 
@@ -29,7 +30,7 @@ from typing import Protocol
 
 import zmq
 
-from common.protocol import (
+from common.ipc.protocol import (
     AbortReq,
     BatchOutput,
     FlushCacheReq,
@@ -38,19 +39,18 @@ from common.protocol import (
     QueryReply,
     QueryReq,
     ReqOutput,
+    WorkItem,
     decode_to_scheduler,
     encode,
 )
 
 log = logging.getLogger(__name__)
 
-WorkItem = GenerateReq | AbortReq
-
 _SNDHWM = 100_000  # outgoing messages queued for the API before sends are dropped
 
 
 class NodeStats(Protocol):
-    """What a node's scheduler exposes to the ops endpoints (payload shapes: common/protocol.py)."""
+    """What a node's scheduler exposes to the ops endpoints (payload shapes: common/ipc/protocol.py)."""
 
     def load(self) -> dict[str, int]:
         """``{"num_reqs", "num_waiting_reqs", "num_tokens"}`` for /get_load."""

@@ -17,7 +17,7 @@ Contract for scheduler authors
 ``GenerateReq``
     One sequence to run (the API expands batches and ``n > 1`` into several, each with its own
     ``rid``). A ``rid`` is opaque and never reused by the API process: it is the client's rid plus
-    ``#n`` (``common/server/scheduler_client.py``), so a client reusing its rid never collides with
+    ``#n`` (``common/ipc/scheduler_client.py``), so a client reusing its rid never collides with
     a sequence the scheduler still runs. The API has already validated it: ``input_ids`` is non-empty, every id is in the
     vocabulary, ``len(input_ids) < context_length`` and ``len(input_ids) +
     sampling.max_new_tokens <= context_length`` (the API clips ``max_new_tokens``). The scheduler
@@ -112,6 +112,7 @@ class QueryReq(msgspec.Struct, tag="query", **_STRUCT_OPTS):
 
 
 ToScheduler = GenerateReq | AbortReq | FlushCacheReq | QueryReq
+WorkItem = GenerateReq | AbortReq  # what a scheduler's step() takes; NodeIO answers the queries itself
 
 
 # ---- scheduler -> API --------------------------------------------------------------------------

@@ -1,0 +1,198 @@
+"""A node's scheduler process, both roles: one skeleton, plus the role part that differs.
+
+::
+
+    run_scheduler(part, cfg, endpoints, ready)          the spawn target (common.node.launch)
+      size torch's thread pools (cpu budget), build NodeProcess, report ready/error, serve, close
+
+    NodeProcess(cfg, part, endpoints)
+      runner    = ModelRunner(model, part.cache_config(cache), attention)
+      manager   = part.build_transfer(runner, host)     KV args + KV manager (transfer.factory)
+      scheduler, stats = part.build_scheduler(runner, EngineDriver, StopChecker, manager)
+      io        = NodeIO(endpoints, stats)               the manager's threads wake it
+      serve():    io.recv -> scheduler.step(msgs) -> io.send      (common.node.contract)
+
+Start-up failures release what was built: the factory closes the data plane if the manager
+cannot start, and the manager (its threads, its rank's registration) is closed if anything after
+it fails. The loop never blocks on the network: transfers run on the manager's threads and a
+room's ``poll`` is a dict read. It waits on its socket only when no forward can run, and a
+transfer thread wakes it as soon as a room's state changes. It exits on SIGTERM/SIGINT, when
+``stop`` is set, or when the process that started it (the node's API process) is gone, so a
+killed node leaves no orphan scheduler behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Protocol
+
+from common import envs
+from common.config import CacheConfig, NodeConfig
+from common.cpu_budget import apply_scheduler_budget
+from common.ipc.node_io import NodeIO
+from common.ipc.protocol import IpcEndpoints, ReqOutput, WorkItem
+from common.node.contract import NodeScheduler, StepStats
+
+if TYPE_CHECKING:
+    from common.engine.driver import EngineDriver
+    from common.engine.model_runner import ModelRunner
+    from common.sched.stop import StopChecker
+
+log = logging.getLogger(__name__)
+
+# Rooms in flight but nothing to compute: the transfer threads wake the loop when a room's state
+# changes (NodeIO.wake), so this is only a backstop for the schedulers' own timers.
+BUSY_WAIT_S = 0.02
+IDLE_WAIT_S = 0.05  # nothing in flight: wake this often to notice a vanished parent
+PARENT_CHECK_S = 1.0
+
+
+class TransferManager(Protocol):
+    """What the skeleton needs of a role's KV manager (``PrefillKVManager``, ``DecodeKVManager``)."""
+
+    def set_state_listener(self, listener: Callable[[], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RolePart(Protocol):
+    """What a role adds to the scheduler process. Built in the launcher from the role's slices of
+    config and sent to the spawned process, so it must pickle (plain data until ``build_*``)."""
+
+    role: str  # "prefill" | "decode"
+
+    def cache_config(self, cache: CacheConfig) -> CacheConfig:
+        """The KV cache this role needs (the decode adds request rows and turns the prefix cache off)."""
+        ...
+
+    def build_transfer(self, runner: ModelRunner, host: str) -> TransferManager:
+        """Aux rows, KV args and the role's KV manager over ``runner``'s pools, reachable at ``host``."""
+        ...
+
+    def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
+                        manager: TransferManager) -> tuple[NodeScheduler, StepStats]: ...
+
+    def ready_info(self) -> dict:
+        """What the role adds to the "ready" report (after ``build_scheduler``)."""
+        ...
+
+
+class NodeProcess:
+    """Everything the scheduler process owns; ``close`` releases it (transfer threads, engine, sockets)."""
+
+    def __init__(self, cfg: NodeConfig, part: RolePart, endpoints: IpcEndpoints) -> None:
+        from common.engine.driver import EngineDriver
+        from common.engine.model_runner import ModelRunner
+        from common.engine.sampler import Sampler
+        from common.sched.stop import StopChecker
+        from common.tokenizer import Tokenizer
+
+        self.role = part.role
+        self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), cfg.attention)
+        tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
+        self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
+        try:
+            self.scheduler, self.stats = part.build_scheduler(
+                self.runner, EngineDriver(self.runner, Sampler()), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
+                self.manager)
+            self.io = NodeIO(endpoints, self.stats)
+            self.manager.set_state_listener(self.io.wake)
+        except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
+            self.manager.close()
+            raise
+        mem = self.runner.memory
+        self._ready = {"max_total_tokens": mem.allocator.num_total * mem.page_size, **part.ready_info()}
+        log.info("%s scheduler ready: %d pages x %d tokens, %d request rows, backend %s (%s)", self.role,
+                 mem.allocator.num_total, mem.page_size, mem.req_to_token.max_reqs, cfg.transfer.backend,
+                 ", ".join(f"{k} {v}" for k, v in self._ready.items()))
+
+    def serve(self, stop: threading.Event) -> None:
+        serve(self.scheduler, self.io, self.stats, stop, self.role)
+
+    def ready_info(self) -> dict:
+        return dict(self._ready)
+
+    def close(self) -> None:
+        self.manager.close()
+        self.io.close()
+
+
+class LoopIO(Protocol):
+    def recv(self, timeout_s: float = 0.0) -> list[WorkItem]: ...
+
+    def send(self, items: list[ReqOutput]) -> None: ...
+
+
+def serve(sched: NodeScheduler, io: LoopIO, stats: StepStats, stop: threading.Event, role: str) -> None:
+    """The node loop (see ``common.node.contract``) until ``stop`` is set or the parent is gone."""
+    parent = os.getppid()
+    next_check = time.monotonic() + PARENT_CHECK_S
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        runnable = sched.runnable()
+        msgs = io.recv(0.0 if runnable else IDLE_WAIT_S if sched.idle() else BUSY_WAIT_S)
+        if not runnable:
+            t0 = time.perf_counter()  # waiting for input is idle time, not the step's
+        try:
+            outputs = sched.step(msgs)
+        except Exception as exc:  # a scheduler bug fails the requests in flight, not the node
+            log.exception("%s step failed; failing every request in flight", role)
+            try:
+                outputs = sched.fail_all(f"internal error in the {role} scheduler: {type(exc).__name__}: {exc}")
+            except Exception:  # never out of the loop: that would take the node down
+                log.exception("failing the requests in flight failed too; their own timeouts end them")
+                outputs = []
+        io.send(outputs)
+        stats.observe_step(time.perf_counter() - t0)
+        if time.monotonic() > next_check:
+            next_check = time.monotonic() + PARENT_CHECK_S
+            if os.getppid() != parent:
+                log.error("the %s node's API process is gone; the scheduler exits", role)
+                return
+
+
+def advertise_host(host: str) -> str:
+    """The address peers should use to reach us: ``host`` unless it is a wildcard."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it picks the outgoing interface
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def run_scheduler(part: RolePart, cfg: NodeConfig, endpoints: IpcEndpoints, ready: Connection | None = None) -> None:
+    """Entry point of the scheduler process (a ``multiprocessing`` spawn target).
+
+    Sends ``("ready", info)`` on ``ready`` once the model is loaded and the transfer manager is up
+    (a prefill rank registered with its bootstrap server), or ``("error", message)`` if start-up
+    failed, so the launcher fails fast.
+    """
+    tag = f"{part.role}-sched"
+    logging.basicConfig(level=envs.LOG_LEVEL.get(), format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        apply_scheduler_budget(cfg.cpu)  # before the model loads: torch's pools are sized once
+        proc = NodeProcess(cfg, part, endpoints)
+    except Exception as exc:
+        log.exception("%s failed to start", tag)
+        if ready is not None:
+            ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from exc
+    try:
+        if ready is not None:
+            ready.send(("ready", {"pid": os.getpid(), "cpu": cfg.cpu.as_dict(), **proc.ready_info()}))
+            ready.close()
+        proc.serve(stop)
+    finally:
+        proc.close()
