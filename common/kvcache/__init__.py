@@ -7,7 +7,8 @@ from common.kvcache.allocator import (
     pages_to_slots,
 )
 from common.kvcache.pool import RESERVED_PAGES, KVLayout, KVPool
-from common.kvcache.radix_cache import MatchResult, RadixCache, RadixNode
+from common.kvcache.radix_cache import RadixCache
+from common.kvcache.radix_node import MatchResult, RadixNode
 from common.kvcache.req_to_token import ReqToTokenPool
 
 __all__ = [

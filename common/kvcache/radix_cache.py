@@ -63,32 +63,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
 from common.kvcache.allocator import KVAccountingError, PageAllocator
-
-
-class RadixNode:
-    """One tree edge: ``key`` tokens whose KV lives on ``pages``. Opaque to callers (a lock handle)."""
-
-    __slots__ = ("id", "key", "pages", "parent", "children", "lock_ref", "last_access", "evicted")
-
-    def __init__(self, node_id: int, key: list[int], pages: list[int], parent: RadixNode | None, tick: int) -> None:
-        self.id = node_id
-        self.key = key
-        self.pages = pages
-        self.parent = parent
-        self.children: dict[tuple[int, ...], RadixNode] = {}
-        self.lock_ref = 0  # requests holding this node or a descendant
-        self.last_access = tick
-        self.evicted = False  # detached from the tree; using it as a lock handle is a bug
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    pages: list[int]  # cached pages of the matched prefix, in position order
-    num_tokens: int  # == len(pages) * page_size
-    node: RadixNode  # lock handle: the node ending the match (root when nothing matched)
+from common.kvcache.radix_node import MatchResult, RadixNode
 
 
 class RadixCache:

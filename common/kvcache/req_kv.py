@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.kvcache.allocator import KVAccountingError, PageAllocator, pages_to_slots
-from common.kvcache.radix_cache import RadixCache, RadixNode
+from common.kvcache.radix_cache import RadixCache
+from common.kvcache.radix_node import RadixNode
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
 
