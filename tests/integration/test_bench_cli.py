@@ -45,7 +45,10 @@ def run_cli(tmp_path: Path, model_dir: str, backend: str, extra: list[str]) -> t
            "--transfer-backend", backend, "--num-prompts", str(NUM), "--input-len", str(IN_LEN), "--output-len",
            str(OUT_LEN), "--range-ratio", str(RATIO), "--seed", str(SEED), "--request-timeout", "30",
            "--timeout", "60", "--idle-timeout", "15", "--json", str(out), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The bench keeps its cluster's logs in a fresh temporary directory: under tmp_path, so the
+    # suite leaves nothing in /tmp.
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         stdout, _ = proc.communicate(timeout=CLI_TIMEOUT_S)
     except subprocess.TimeoutExpired:
