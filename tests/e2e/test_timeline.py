@@ -64,9 +64,13 @@ def check(timeline: dict, client_ms: float) -> None:
     prefill = timeline["prefill"]
     assert prefill["role"] == "prefill" and list(prefill["stages_ms"]) == ["api_in", *PREFILL_STAGES, "api_out"]
     assert prefill["forwards"] == 1
-    # The prefill's work happens while the decode waits for the KV (both legs leave together).
-    d = decode["stages_ms"]
-    assert prefill["total_ms"] <= d["api_in"] + d["prealloc"] + d["kv_transfer"] + timeline["stages_ms"]["decode_hop"] + 5.0
+    # The prefill's work happens while the decode waits for the KV (both legs leave together): its
+    # forward ends before the KV can land. Only that much is causal; the prefill's transfer stage
+    # ends when its scheduler next polls, and its answer goes back after that (a loaded CI box
+    # delayed both by 20 ms past the decode's Success).
+    d, p = decode["stages_ms"], prefill["stages_ms"]
+    before_write = p["api_in"] + p["bootstrap"] + p["queue"] + p["forward"]
+    assert before_write <= timeline["stages_ms"]["decode_hop"] + d["api_in"] + d["prealloc"] + d["kv_transfer"] + 5.0
 
 
 def timed(fn: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
