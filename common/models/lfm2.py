@@ -29,8 +29,7 @@ from torch import nn
 from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.models.arch import ModelArchConfig
-from common.models.llama import MLP, Attention, RMSNorm, empty_param
-from common.models.rope import RotaryEmbedding
+from common.models.llama import MLP, Attention, LlamaFamilyForCausalLM, RMSNorm, empty_param
 
 
 class ShortConv(nn.Module):
@@ -91,35 +90,17 @@ class Lfm2Layer(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))  # [T, H]
 
 
-class Lfm2ForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.arch = arch
-        self.dtype = dtype
-        self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Lfm2Layer(arch, i, backend, dtype) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
+class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
+    """The Llama family's shell (embedding, RoPE, final norm, tied LM head) over LFM2 layers; only
+    the checkpoint's names differ."""
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden state of each request's last new token, after the final norm. [B, H]"""
-        h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, H]
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)  # [T, 1, head_dim] each
-        for layer in self.layers:
-            h = layer(h, cos, sin, batch)
-        return self.norm(h[batch.last_token_indices()])  # [B, H]
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()  # [B, vocab]
+    layer_cls = Lfm2Layer
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """HF names -> views of our parameters (q/k/v and w1/w3 fused as in the Llama family)."""
         a = self.arch
         q, kv, inter = a.q_size, a.kv_size, a.intermediate_size
+        # LFM2's final norm is called embedding_norm (it runs after the last layer all the same).
         t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.data,
                                       "model.embedding_norm.weight": self.norm.weight.data}
         if self.lm_head is not None:
@@ -150,6 +131,3 @@ class Lfm2ForCausalLM(nn.Module):
                 t[p + "self_attn.q_layernorm.weight"] = attn.q_norm.weight.data
                 t[p + "self_attn.k_layernorm.weight"] = attn.k_norm.weight.data
         return t
-
-    def ignorable_checkpoint_tensor(self, name: str) -> bool:
-        return name == "lm_head.weight" and self.lm_head is None

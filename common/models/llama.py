@@ -103,12 +103,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyForCausalLM(nn.Module):
+    # What one layer is; a family that keeps this shell (embedding, RoPE, final norm, LM head)
+    # and changes only its layers (LFM2) sets its own.
+    layer_cls: type[nn.Module] = DecoderLayer
+
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, backend, dtype) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(arch, i, backend, dtype) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
