@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,10 @@ import httpx
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a tie float noise may break either way
 STARTUP_TIMEOUT_S = 120.0
+# Decode flags for a pool that must run dry: 16 pages of 16 tokens and an optimistic headroom
+# ratio, so concurrent long outputs are retracted.
+SMALL_POOL = ["--max-total-tokens", "256", "--num-reserved-decode-tokens", "16", "--max-running-requests", "8",
+              "--schedule-conservativeness", "0.1"]
 IDLE_TIMEOUT_S = 20.0
 _rooms = itertools.count(random.randrange(1, 2**40))
 
@@ -109,6 +114,14 @@ def memory(url: str, headers: dict[str, str] | None = None) -> dict:
     r = httpx.get(url + "/debug/memory", timeout=10, headers=headers)
     r.raise_for_status()
     return r.json()
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of a node's /metrics (the first series of ``name``)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m is not None, f"{name} not in /metrics"
+    return float(m.group(1))
 
 
 def is_idle(mem: dict) -> bool:

@@ -11,7 +11,6 @@ After every scenario both nodes are back at their idle memory baseline and serve
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,29 +18,19 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, check_greedy, next_room, running_cluster, wait_idle
+from tests.e2e.cluster import SMALL_POOL, Cluster, check_greedy, metric, next_room, running_cluster, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 # Short transfer timeouts so failure paths finish in seconds.
 FAST_FAIL_ENV = {"PDC_BOOTSTRAP_TIMEOUT_S": "5", "PDC_WAITING_TIMEOUT_S": "15", "PDC_HEARTBEAT_INTERVAL_S": "0.5",
                  "PDC_HEARTBEAT_MAX_FAILURES": "3"}
-# 16 pages of 16 tokens and an optimistic headroom ratio: concurrent long outputs must retract.
-SMALL_POOL = ["--max-total-tokens", "256", "--num-reserved-decode-tokens", "16", "--max-running-requests", "8",
-              "--schedule-conservativeness", "0.1"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen3: str) -> Iterator[Cluster]:
     with running_cluster(tiny_qwen3, decode_args=SMALL_POOL, env=FAST_FAIL_ENV) as c:
         yield c
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m is not None, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def gen_body(prompt: list[int], n: int, **extra: object) -> dict:

@@ -11,16 +11,11 @@ import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, check_greedy, memory, running_cluster
+from tests.e2e.cluster import SMALL_POOL, Cluster, check_greedy, memory, metric, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-# As tests/e2e/test_decode_failures.py: 16 pages of 16 tokens, optimistic headroom -> retraction.
-SMALL_POOL = ["--max-total-tokens", "256", "--num-reserved-decode-tokens", "16", "--max-running-requests", "8",
-              "--schedule-conservativeness", "0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +62,7 @@ def test_forced_retraction_recomputes_state(tiny_lfm2: str) -> None:
     with running_cluster(tiny_lfm2, decode_args=SMALL_POOL, env=env) as c:
         prompts = [[(19 * i + 5 * k) % 900 + 3 for k in range(18 + 3 * i)] for i in range(8)]
         outs = run_all(c, [(p, 48) for p in prompts])
-        text = httpx.get(c.decode.url + "/metrics", timeout=10).text
-        retractions = [float(line.split()[-1]) for line in text.splitlines()
-                       if line.startswith("pdc_scheduler_retractions_total")]
-        assert retractions and retractions[0] > 0, "the pool never ran dry"
+        assert metric(c.decode.url, "pdc_scheduler_retractions_total") > 0, "the pool never ran dry"
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             check_greedy(c.model_dir, prompt, out, 48, f"request {i}")
         c.wait_idle()
