@@ -155,7 +155,7 @@ async def one(session: aiohttp.ClientSession, url: str, i: int, fault: str, stre
             async with session.post(url + path, json=body) as r:
                 raw = await r.read()
                 return _judge_whole(out, r.status, raw)
-        return await _stream(session, url + path, out, body, fault, rng)
+        return await _stream(session, url, path, out, body, fault, rng)
     except (aiohttp.ClientError, ConnectionError) as exc:
         out.kind, out.detail = "unclear", f"connection error: {type(exc).__name__}: {exc}"
         return out
@@ -190,10 +190,10 @@ def _judge_whole(out: Outcome, status: int, raw: bytes) -> Outcome:
     return out
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, out: Outcome, body: dict, fault: str,
+async def _stream(session: aiohttp.ClientSession, url: str, path: str, out: Outcome, body: dict, fault: str,
                   rng: random.Random) -> Outcome:
     close_after = rng.randrange(1, 6) if fault == "disconnect" else None
-    async with session.post(url, json=body) as r:
+    async with session.post(url + path, json=body) as r:
         if r.status != 200:
             return _judge_whole(out, r.status, await r.read())
         buf, events, last = bytearray(), 0, None
@@ -217,8 +217,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, out: Outcome, body: 
                     out.kind = "client_gone"
                     return out  # leaving the block closes the connection mid-stream
                 if fault == "abort_request" and events == 1:
-                    abort_url = url.rsplit("/", 1)[0] + "/abort_request"
-                    async with session.post(abort_url, json={"rid": body["rid"]}) as a:
+                    async with session.post(url + "/abort_request", json={"rid": body["rid"]}) as a:
                         await a.read()
                 if fault == "slow_reader" and events == 1:
                     await asyncio.sleep(rng.uniform(1.0, 3.0))  # the stream queues up behind us
