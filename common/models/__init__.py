@@ -1,4 +1,4 @@
-"""Llama-family models (Llama, Qwen2, Qwen3) and the safetensors loader.
+"""Llama-family models (Llama, Qwen2, Qwen3), LFM2 (hybrid: short convs + attention) and the safetensors loader.
 
     load_model(model_path, dtype, device, attn_backend) -> model
     model.arch: ModelArchConfig            (shapes, RoPE, EOS ids; .kv_layout(page_size, dtype))
