@@ -94,10 +94,15 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class AttentionConfig:
     backend: str = "auto"  # auto -> flashinfer on CUDA when importable, else torch
+    # Torch backend: memory for contiguous copies of the decoding requests' K/V (decode_mirror.py),
+    # which spare every decode step a gather of the whole context; 0 turns it off.
+    torch_decode_mirror_mib: int = 1024
 
     def validate(self) -> None:
         if self.backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"--attention-backend {self.backend!r}: expected auto, torch or flashinfer")
+        if self.torch_decode_mirror_mib < 0:
+            raise ConfigError(f"--torch-decode-mirror-mib must be >= 0, got {self.torch_decode_mirror_mib}")
 
 
 @dataclass(frozen=True)

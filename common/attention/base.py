@@ -35,6 +35,9 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Precompute whatever all layers share for this batch; store it in batch.attn_metadata."""
 
+    def reset(self) -> None:
+        """Forget anything kept across forwards (called after a forward raised midway)."""
+
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch

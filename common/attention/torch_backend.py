@@ -20,6 +20,11 @@ pad fifty short prompts to its length.
 K/V are gathered with ``index_select`` (a row copy; advanced indexing ``buf[slots]`` measured
 ~10x slower on CPU) and GQA is left to SDPA (``enable_gqa``), which skips materialising the
 repeated heads; both give the same numbers as the per-request loop they replace.
+
+DECODE batches skip the gather: ``decode_mirror.py`` keeps each decoding request's K/V
+contiguous across steps, and SDPA reads it in place (the same keys and values, so the same
+numbers). The gather path stays for EXTEND, for tables the runner did not build, and for batches
+the mirror's memory budget does not cover.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from common.attention.base import AttentionBackend, AttentionLayerSpec
-from common.engine.forward_batch import ForwardBatch
+from common.attention.decode_mirror import DecodeMirror, MirrorPlan
+from common.engine.forward_batch import ForwardBatch, ForwardMode
 
 # A group grows while its padded score matrix is at most PAD_RATIO x the real one, or exceeds it
 # by at most PAD_FLOOR elements (small batches: padding is cheaper than another call).
@@ -105,7 +111,20 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, decode_mirror_bytes: int = 0) -> None:
+        """``decode_mirror_bytes``: memory the decode mirror may hold; 0 turns it off."""
+        self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
+
+    def reset(self) -> None:
+        if self.mirror is not None:
+            self.mirror.reset()
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if self.mirror is not None and batch.mode is ForwardMode.DECODE and len(batch.rows_cpu) == batch.batch_size:
+            plan = self.mirror.plan(batch)
+            if plan is not None:
+                batch.attn_metadata = plan
+                return
         ext, seq = batch.extend_lens_cpu, batch.seq_lens_cpu
         starts = [0] * len(ext)
         for i in range(1, len(ext)):
@@ -124,6 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
         q = q.view(-1, hq, d)  # [T, heads, head_dim]
         k_buf = batch.kv_pool.k_buffers[layer.layer_id]
         v_buf = batch.kv_pool.v_buffers[layer.layer_id]
+        if isinstance(batch.attn_metadata, MirrorPlan):
+            return self._decode_mirrored(q, k, v, k_buf, v_buf, layer, batch.attn_metadata)
         groups: list[_Group] = batch.attn_metadata
         if len(groups) == 1:
             out = self._group(q, k_buf, v_buf, layer, groups[0])
@@ -132,6 +153,21 @@ class TorchAttentionBackend(AttentionBackend):
             for g in groups:
                 assert g.out_index is not None
                 out.index_copy_(0, g.out_index, self._group(q, k_buf, v_buf, layer, g))
+        return out.reshape(-1, hq * d)
+
+    def _decode_mirrored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+                         v_buf: torch.Tensor, layer: AttentionLayerSpec, plan: MirrorPlan) -> torch.Tensor:
+        """One query per request against its mirrored lane. [B, heads * head_dim]"""
+        assert self.mirror is not None
+        hq, d = layer.num_heads, layer.head_dim
+        keys, vals = self.mirror.layer_kv(layer.layer_id, plan, k_buf, v_buf, k, v)  # [B, kv_heads, S, head_dim]
+        ql = q if plan.to_lane is None else q.index_select(0, plan.to_lane)  # [B, heads, head_dim], lane order
+        out = torch.nn.functional.scaled_dot_product_attention(
+            ql[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=plan.mask, scale=layer.scaling,
+            enable_gqa=hq != layer.num_kv_heads)  # [B, heads, 1, head_dim]
+        out = out.view(-1, hq, d)
+        if plan.from_lane is not None:
+            out = out.index_select(0, plan.from_lane)  # back to batch order
         return out.reshape(-1, hq * d)
 
     @staticmethod

@@ -46,6 +46,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
+    rows_cpu: list[int] = field(default_factory=list)  # req_pool_indices
+    # Each row's allocation count (ReqToTokenPool.epoch): a backend that keeps per-request state
+    # across steps (the torch decode mirror) knows a reused row for a new request by it.
+    row_epochs: list[int] = field(default_factory=list)
     # Hybrid models: each request's recurrent-state slot ([B] int64) in ``state_pool``.
     state_pool: "StatePool | None" = None
     state_slots: torch.Tensor | None = None

@@ -45,11 +45,12 @@ class DecodeItem:
     prefix_len: int
 
 
-def create_attention_backend(name: str, device: str) -> AttentionBackend:
+def create_attention_backend(cfg: AttentionConfig, device: str) -> AttentionBackend:
+    name = cfg.backend
     if name == "torch":
         from common.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(decode_mirror_bytes=cfg.torch_decode_mirror_mib << 20)
     if name == "flashinfer":
         if not device.startswith("cuda"):
             raise ConfigError("--attention-backend flashinfer needs a CUDA device")
@@ -66,7 +67,7 @@ class ModelRunner:
 
         self.device = torch.device(model_cfg.device)
         self.dtype = getattr(torch, model_cfg.dtype)
-        self.attn_backend = create_attention_backend(attention_cfg.backend, model_cfg.device)
+        self.attn_backend = create_attention_backend(attention_cfg, model_cfg.device)
         self.model = load_model(model_cfg.model_path, self.dtype, self.device, self.attn_backend)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
@@ -151,11 +152,17 @@ class ModelRunner:
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_lens_cpu=lens,
+            rows_cpu=rows,
+            row_epochs=[self.req_to_token.epoch[r] for r in rows],
             state_pool=self.state_pool,
             state_slots=None if self.state_pool is None else self.memory.row_state[rows_t],
         )
 
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model.forward(batch)  # [B, hidden]
+        try:
+            hidden = self.model.forward(batch)  # [B, hidden]
+        except BaseException:
+            self.attn_backend.reset()  # state it planned for this step was only partly written
+            raise
         return self.model.compute_logits(hidden)  # [B, vocab] float32

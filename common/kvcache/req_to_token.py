@@ -32,6 +32,9 @@ class ReqToTokenPool:
         # Popped from the end, so row 0 goes first; order is otherwise irrelevant.
         self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
         self._is_free = bytearray(b"\x01" * max_reqs)
+        # How often each row was allocated: tells a row's new owner from its last one (for caches
+        # keyed by row that outlive a request, like the torch backend's decode mirror).
+        self.epoch: list[int] = [0] * max_reqs
 
     @property
     def num_free(self) -> int:
@@ -50,6 +53,7 @@ class ReqToTokenPool:
             return None
         row = self._free_rows.pop()
         self._is_free[row] = 0
+        self.epoch[row] += 1
         return row
 
     def free(self, row: int) -> None:

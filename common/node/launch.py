@@ -74,6 +74,9 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"), help=d)
     p.add_argument("--device", default="auto", help=f"auto, cpu, cuda[:N] {d}")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"), help=d)
+    p.add_argument("--torch-decode-mirror-mib", type=int, default=AttentionConfig.torch_decode_mirror_mib,
+                   help=f"torch attention: memory for contiguous copies of the decoding requests' K/V, which "
+                        f"spare each decode step a gather of the whole context (0: off) {d}")
     p.add_argument("--host", default="127.0.0.1", help=f"listen address; also what peers reach us on {d}")
     p.add_argument("--port", type=int, default=port, help=f"HTTP port {d}")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=TransferConfig.bootstrap_port,
@@ -117,7 +120,7 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 
 def attention_config(ns: argparse.Namespace) -> AttentionConfig:
-    return AttentionConfig(backend=ns.attention_backend)
+    return AttentionConfig(backend=ns.attention_backend, torch_decode_mirror_mib=ns.torch_decode_mirror_mib)
 
 
 def cpu_slice(ns: argparse.Namespace) -> CpuConfig:

@@ -1,0 +1,189 @@
+"""Contiguous copies of the decoding requests' K/V, so a torch decode step reads them in place.
+
+The paged pool scatters a request's tokens over its pages, so the torch backend's general path
+gathers every key and value of every request (``index_select``) on every layer of every step
+before attention: the whole context is copied once per step only to be read once. On CPU that
+copy was a third of a decode step. The mirror keeps one *lane* per decoding request::
+
+    k[layer]: [lanes, kv_heads, S_cap, head_dim]      lane i, positions 0 .. len(i) - 1 filled
+    decode step:  new token's K/V -> pool (the truth: transfer and prefix cache read it) and lane
+                  attention over k[layer][:B, :, :S] (a view, no copy)
+
+Lanes live as long as their request keeps decoding:
+
+- **fill**: a request seen for the first time (or whose lane is stale) copies its K/V from the
+  pool once, on each layer's first call of that step;
+- **append**: each step writes the new token at position ``len`` of the lane;
+- **drop**: a request absent from a decode batch loses its lane; the last lane moves into the
+  hole (one request's copy), so lanes ``0 .. B-1`` are always the batch, in their own order
+  (queries are permuted into lane order and back, which costs ``B`` rows, not ``B x S``).
+
+A lane is trusted only while its request row keeps the same *epoch* (bumped by every row
+allocation, so a row reused by another request never inherits a lane) and its length is exactly
+the step's prefix: anything else refills it. Memory is bounded: once ``lanes x S_cap`` would
+exceed the budget the mirror frees itself and the backend gathers as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+
+_S_ALIGN = 64  # S_cap grows in steps of at least this (and doubles), so growth is rare
+
+
+@dataclass
+class MirrorPlan:
+    """One decode batch's view of the mirror (shared by every layer of the step)."""
+
+    num_lanes: int  # B: lanes 0 .. B-1 are this batch's requests
+    max_seq: int  # S: keys read per lane
+    lanes: torch.Tensor  # [B] int64 lane of each batch row
+    positions: torch.Tensor  # [B] int64 position of each row's new token
+    to_lane: torch.Tensor | None  # [B] int64 batch row of each lane; None: lanes are in batch order
+    from_lane: torch.Tensor | None  # [B] int64 lane of each batch row (to put outputs back); None: identity
+    mask: torch.Tensor | None  # [B, 1, 1, S] bool in lane order; None: every lane has S keys
+    fills: list[tuple[int, torch.Tensor]]  # (lane, pool slots of positions 0 .. n-1) to copy in
+    moves: list[tuple[int, int, int]]  # (from lane, to lane, length): compaction, before fills
+    done_layers: set[int]
+
+
+class DecodeMirror:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._k: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, S_cap, head_dim]
+        self._v: dict[int, torch.Tensor] = {}
+        self._lanes_cap = 0
+        self._s_cap = 0
+        self._lane_of: dict[int, int] = {}  # request row -> lane
+        self._row_of: list[int] = []  # lane -> request row (len = lanes in use)
+        self._epoch: list[int] = []  # lane -> epoch of its row when filled
+        self._len: list[int] = []  # lane -> positions filled
+        self._token_bytes: dict[int, int] = {}  # layer id -> K+V bytes of one token (known once it ran)
+
+    @property
+    def lanes_in_use(self) -> int:
+        return len(self._row_of)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+
+    def reset(self) -> None:
+        """Forget every lane and free the buffers (after a failed forward, or over budget)."""
+        self._k.clear()
+        self._v.clear()
+        self._lanes_cap = self._s_cap = 0
+        self._lane_of.clear()
+        self._row_of, self._epoch, self._len = [], [], []
+
+    # -- planning (once per decode batch) -----------------------------------------------------
+
+    def plan(self, batch: ForwardBatch) -> MirrorPlan | None:
+        """Lanes for this decode batch, or None when the mirror would exceed its budget."""
+        rows, epochs, seq = batch.rows_cpu, batch.row_epochs, batch.seq_lens_cpu
+        n, s = len(rows), max(seq)
+        lanes_cap = max(self._lanes_cap, _grow(self._lanes_cap, n, 8))
+        s_cap = max(self._s_cap, _grow(self._s_cap, s, _S_ALIGN))
+        if lanes_cap * s_cap * sum(self._token_bytes.values()) > self.budget_bytes:
+            self.reset()
+            return None
+        self._lanes_cap, self._s_cap = lanes_cap, s_cap
+        moves = self._drop_absent(set(rows))
+        fills: list[tuple[int, torch.Tensor]] = []
+        lanes: list[int] = []
+        for row, epoch, length in zip(rows, epochs, seq):
+            lane = self._lane_of.get(row)
+            if lane is None:
+                lane = len(self._row_of)
+                self._lane_of[row] = lane
+                self._row_of.append(row)
+                self._epoch.append(-1)
+                self._len.append(-1)
+            if self._epoch[lane] != epoch or self._len[lane] != length - 1:
+                self._epoch[lane] = epoch
+                fills.append((lane, batch.req_to_token[row, : length - 1].long()))
+            self._len[lane] = length  # the forward appends the new token
+            lanes.append(lane)
+        dev = batch.req_pool_indices.device
+        lanes_t = torch.tensor(lanes, dtype=torch.int64)
+        in_order = lanes == list(range(n))
+        to_lane = None if in_order else torch.empty(n, dtype=torch.int64).index_copy_(0, lanes_t, torch.arange(n))
+        seq_by_lane = [0] * n
+        for lane, length in zip(lanes, seq):
+            seq_by_lane[lane] = length
+        mask = None
+        if min(seq) != s:
+            mask = (torch.arange(s)[None, :] < torch.tensor(seq_by_lane)[:, None])[:, None, None, :].to(dev)
+        return MirrorPlan(
+            num_lanes=n, max_seq=s, lanes=lanes_t.to(dev),
+            positions=torch.tensor([length - 1 for length in seq], dtype=torch.int64, device=dev),
+            to_lane=None if to_lane is None else to_lane.to(dev),
+            from_lane=None if in_order else lanes_t.to(dev),
+            mask=mask, fills=fills, moves=moves, done_layers=set())
+
+    def _drop_absent(self, present: set[int]) -> list[tuple[int, int, int]]:
+        """Free the lanes of rows not in this batch; the last lane fills each hole."""
+        moves: list[tuple[int, int, int]] = []
+        lane = 0
+        while lane < len(self._row_of):
+            if self._row_of[lane] in present:
+                lane += 1
+                continue
+            del self._lane_of[self._row_of[lane]]
+            last = len(self._row_of) - 1
+            if lane != last:
+                row = self._row_of[last]
+                self._row_of[lane], self._epoch[lane], self._len[lane] = row, self._epoch[last], self._len[last]
+                self._lane_of[row] = lane
+                moves.append((last, lane, self._len[last]))
+            self._row_of.pop()
+            self._epoch.pop()
+            self._len.pop()
+        return moves
+
+    # -- per layer ----------------------------------------------------------------------------
+
+    def layer_kv(self, layer_id: int, plan: MirrorPlan, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                 k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bring this layer's lanes up to date and append the new token; returns the K and V
+        views attention reads. [B, kv_heads, S, head_dim] each (pool dtype)."""
+        mk, mv = self._buffers(layer_id, k_buf)
+        if layer_id not in plan.done_layers:
+            plan.done_layers.add(layer_id)
+            for src, dst, length in plan.moves:
+                mk[dst, :, :length] = mk[src, :, :length]
+                mv[dst, :, :length] = mv[src, :, :length]
+            for lane, slots in plan.fills:
+                mk[lane, :, : slots.shape[0]] = k_buf.index_select(0, slots).transpose(0, 1)
+                mv[lane, :, : slots.shape[0]] = v_buf.index_select(0, slots).transpose(0, 1)
+        mk[plan.lanes, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
+        mv[plan.lanes, :, plan.positions] = v_new.to(mv.dtype)
+        b, s = plan.num_lanes, plan.max_seq
+        return mk[:b, :, :s], mv[:b, :, :s]
+
+    def _buffers(self, layer_id: int, k_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's buffers at the planned capacity (grown, keeping their lanes, if needed)."""
+        mk = self._k.get(layer_id)
+        if mk is not None and mk.shape[0] >= self._lanes_cap and mk.shape[2] >= self._s_cap:
+            return mk, self._v[layer_id]
+        _, hk, d = k_buf.shape
+        shape = (self._lanes_cap, hk, self._s_cap, d)
+        new_k = torch.zeros(shape, dtype=k_buf.dtype, device=k_buf.device)
+        new_v = torch.zeros(shape, dtype=k_buf.dtype, device=k_buf.device)
+        if mk is not None:
+            old_v = self._v[layer_id]
+            lanes, s = mk.shape[0], mk.shape[2]
+            new_k[:lanes, :, :s] = mk
+            new_v[:lanes, :, :s] = old_v
+        self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
+        self._k[layer_id], self._v[layer_id] = new_k, new_v
+        return new_k, new_v
+
+
+def _grow(cap: int, need: int, align: int) -> int:
+    """``cap`` if it holds ``need``, else max(2 x cap, need rounded up to ``align``)."""
+    if need <= cap:
+        return cap
+    return max(2 * cap, -(-need // align) * align)

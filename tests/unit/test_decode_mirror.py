@@ -1,0 +1,178 @@
+"""The torch backend's decode mirror (common/attention/decode_mirror.py) over many steps: every
+step's output must equal the gather path's on the same pool, and a per-request float64
+reference, while requests join, leave, come back in another order, reuse a row for a new
+request, skip a step, outgrow the lanes' capacity, and exceed the memory budget."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from common.attention.base import AttentionLayerSpec
+from common.attention.decode_mirror import MirrorPlan
+from common.attention.torch_backend import TorchAttentionBackend
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.kvcache.pool import KVLayout, KVPool
+from common.kvcache.req_to_token import ReqToTokenPool
+
+PAGE = 4
+HEADS, KV_HEADS, D = 4, 2, 8
+LAYERS = 2
+
+
+class Sim:
+    """Requests on a paged pool with scattered pages; one DECODE batch per ``step``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        layout = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, page_size=PAGE, dtype="float32")
+        self.pool = KVPool(layout, 2000, "cpu")
+        for buf in self.pool.buffers():
+            buf.copy_(torch.randn(buf.shape, generator=self.gen))
+        self.rows = ReqToTokenPool(40, 512, "cpu")
+        self.free_pages = list(range(1, 2000))
+        self.rng.shuffle(self.free_pages)
+        self.lens: dict[int, int] = {}  # row -> tokens in the KV
+        self.pages: dict[int, list[int]] = {}
+
+    def admit(self, prompt_len: int) -> int:
+        """A request whose prompt K/V (random, already in its pages) arrived: its row."""
+        row = self.rows.alloc()
+        assert row is not None
+        self.lens[row], self.pages[row] = 0, []
+        self._grow(row, prompt_len)
+        self.lens[row] = prompt_len
+        return row
+
+    def finish(self, row: int) -> None:
+        self.free_pages.extend(self.pages.pop(row))
+        del self.lens[row]
+        self.rows.free(row)
+
+    def _grow(self, row: int, length: int) -> None:
+        while len(self.pages[row]) * PAGE < length:
+            page = self.free_pages.pop()
+            self.rows.table[row, len(self.pages[row]) * PAGE:(len(self.pages[row]) + 1) * PAGE] = torch.arange(
+                page * PAGE, (page + 1) * PAGE, dtype=torch.int32)
+            self.pages[row].append(page)
+
+    def step(self, order: list[int], backends: list[TorchAttentionBackend]) -> list[torch.Tensor]:
+        """One decode step of the rows in ``order`` through each backend (same q/k/v); each row
+        gains a token. Returns per backend per layer outputs, then the reference last."""
+        for row in order:
+            self._grow(row, self.lens[row] + 1)
+        prefix = [self.lens[r] for r in order]
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        table = self.rows.table
+        out_loc = table[t(order), t(prefix)].long()
+        seq = [p + 1 for p in prefix]
+        qs = [torch.randn(len(order), HEADS * D, generator=self.gen) for _ in range(LAYERS)]
+        ks = [torch.randn(len(order), KV_HEADS * D, generator=self.gen) for _ in range(LAYERS)]
+        vs = [torch.randn(len(order), KV_HEADS * D, generator=self.gen) for _ in range(LAYERS)]
+        outs = []
+        for backend in backends:
+            batch = ForwardBatch(ForwardMode.DECODE, t([0] * len(order)), t(prefix), out_loc, t(order), t(seq), t(prefix),
+                                 t([1] * len(order)), table, self.pool, seq, prefix, [1] * len(order),
+                                 rows_cpu=list(order), row_epochs=[self.rows.epoch[r] for r in order])
+            backend.init_forward_metadata(batch)
+            outs.append(torch.stack([backend.forward(qs[i], ks[i], vs[i], AttentionLayerSpec(i, HEADS, KV_HEADS, D, D**-0.5), batch)
+                                     for i in range(LAYERS)]))
+        outs.append(torch.stack([self._reference(order, seq, qs[i], i) for i in range(LAYERS)]))
+        for row in order:
+            self.lens[row] += 1
+        return outs
+
+    def _reference(self, order: list[int], seq: list[int], q: torch.Tensor, layer: int) -> torch.Tensor:
+        k_buf, v_buf = self.pool.k_buffers[layer].double(), self.pool.v_buffers[layer].double()
+        rows = []
+        for i, (row, n) in enumerate(zip(order, seq)):
+            slots = self.rows.table[row, :n].long()
+            qi = q[i].double().view(HEADS, D)
+            heads = []
+            for h in range(HEADS):
+                kh = h // (HEADS // KV_HEADS)
+                w = torch.softmax(k_buf[slots, kh] @ qi[h] * D**-0.5, dim=0)
+                heads.append(w @ v_buf[slots, kh])
+            rows.append(torch.cat(heads))
+        return torch.stack(rows).float()
+
+
+def check(outs: list[torch.Tensor]) -> None:
+    mirrored, gathered, ref = outs
+    torch.testing.assert_close(mirrored, gathered, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mirrored, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_mirror_equals_the_gather_path_through_joins_leaves_reuse_and_growth() -> None:
+    sim = Sim(seed=1)
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()
+    live = [sim.admit(n) for n in (3, 17, 60, 1, 9)]
+    planned = 0
+    for step in range(90):
+        if step % 7 == 3:  # a request finishes; its row goes back and a new request may take it
+            sim.finish(live.pop(sim.rng.randrange(len(live))))
+        if step % 5 == 0 and len(live) < 30:  # a new arrival; prompt lengths cross S_cap steps (64, 128)
+            live.append(sim.admit(sim.rng.choice([1, 5, 40, 63, 64, 65, 120])))
+        order = live[:]
+        if step % 3 == 0:
+            sim.rng.shuffle(order)  # the batch's order is not the lanes' order
+        outs = sim.step(order, [mirror, gather])
+        check(outs)
+        planned += mirror.mirror is not None and mirror.mirror.lanes_in_use == len(order)
+    assert planned == 90  # every step ran on the mirror, none fell back
+    assert mirror.mirror is not None and mirror.mirror.nbytes() > 0
+
+
+def test_a_reused_row_or_a_skipped_step_refills_the_lane() -> None:
+    sim = Sim(seed=2)
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()
+    a, b = sim.admit(10), sim.admit(20)
+    check(sim.step([a, b], [mirror, gather]))
+    # b finishes and a new request gets the same row with as many tokens as b's lane: only the epoch
+    # tells them apart (the pool holds different K/V for it).
+    length = sim.lens[b]
+    sim.finish(b)
+    c = sim.admit(length)
+    assert c == b
+    check(sim.step([a, c], [mirror, gather]))
+    # a skips one step on the mirror's side (the gather backend ran it): its lane is one short.
+    check(sim.step([a], [gather, TorchAttentionBackend()]))
+    check(sim.step([a, c], [mirror, gather]))
+
+
+def test_over_budget_falls_back_to_the_gather_path_and_frees_the_mirror() -> None:
+    sim = Sim(seed=3)
+    per_token = LAYERS * 2 * KV_HEADS * D * 4
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=8 * 64 * per_token), TorchAttentionBackend()
+    rows = [sim.admit(30) for _ in range(4)]
+    check(sim.step(rows, [mirror, gather]))
+    assert mirror.mirror is not None and mirror.mirror.nbytes() > 0
+    rows.append(sim.admit(100))  # S_cap 64 -> 128: 8 lanes x 128 tokens is over the budget
+    outs = sim.step(rows, [mirror, gather])
+    check(outs)
+    assert mirror.mirror.nbytes() == 0 and mirror.mirror.lanes_in_use == 0
+    sim.finish(rows.pop())  # back under budget: the mirror fills its lanes again
+    check(sim.step(rows, [mirror, gather]))
+    assert mirror.mirror.nbytes() > 0
+
+
+def test_reset_after_a_failed_forward_refills_every_lane() -> None:
+    sim = Sim(seed=4)
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()
+    rows = [sim.admit(n) for n in (5, 6, 7)]
+    check(sim.step(rows, [mirror, gather]))
+    mirror.reset()
+    assert mirror.mirror is not None and mirror.mirror.lanes_in_use == 0
+    check(sim.step(rows, [mirror, gather]))
+
+
+def test_extend_batches_and_tables_without_rows_use_the_gather_path() -> None:
+    sim = Sim(seed=5)
+    backend = TorchAttentionBackend(decode_mirror_bytes=64 << 20)
+    row = sim.admit(8)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    batch = ForwardBatch(ForwardMode.DECODE, t([0]), t([8]), sim.rows.table[row, 8:9].long(), t([row]), t([9]), t([8]),
+                         t([1]), sim.rows.table, sim.pool, [9], [8], [1])  # no rows_cpu: built by hand
+    backend.init_forward_metadata(batch)
+    assert not isinstance(batch.attn_metadata, MirrorPlan)
