@@ -39,8 +39,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_INT = {int}
+
+
+def _all_ints(v: list) -> bool:
+    """Every item a JSON integer (not a bool), checked in C: prompts are thousands of ids."""
+    return set(map(type, v)) <= _INT
+
+
 def _ids_key(ids: list) -> str:
-    return "".join(f"{t}," for t in ids)  # a separator after every id keeps prefixes prefixes
+    return ",".join(map(str, ids)) + ","  # a separator after every id keeps prefixes prefixes
 
 
 def _n(v: Any, where: str) -> int:
@@ -67,9 +75,9 @@ def _prompts(v: Any, field: str) -> tuple[int | None, str]:
     if isinstance(v, list) and v:
         if all(isinstance(p, str) for p in v):
             return len(v), v[0]
-        if all(_is_int(t) for t in v):
+        if _all_ints(v):
             return None, _ids_key(v)
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+        if all(isinstance(p, list) and p and _all_ints(p) for p in v):
             return len(v), _ids_key(v[0])
     raise _bad(f"'{field}' must be a string, a non-empty list of strings, a list of token ids or a list of "
                f"token-id lists")

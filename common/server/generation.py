@@ -63,7 +63,7 @@ class Inflight:
             raise DuplicateRid(f"request id {self.req.rid!r} is already in flight")
         self._queue = self.client.register(list(self._by_rid))  # type: ignore[assignment]
         self._registry[self.req.rid] = self
-        self._metrics.inflight.labels(**self._metrics.l()).inc(len(self.states))
+        self._metrics.on_inflight(len(self.states))
         for s in self.states:
             sub = s.sub
             self.client.send(GenerateReq(
@@ -120,9 +120,9 @@ class Inflight:
         if out.new_token_ids:
             self._metrics.on_tokens(len(out.new_token_ids))
             if first:
-                self._metrics.ttft.labels(**self._metrics.l()).observe(time.time() - self.req.arrival_time)
+                self._metrics.on_first_token(time.time() - self.req.arrival_time)
         if s.finished:
-            self._metrics.inflight.labels(**self._metrics.l()).dec()
+            self._metrics.on_inflight(-1)
         return s, delta
 
     def close(self) -> None:
@@ -140,16 +140,13 @@ class Inflight:
                 self.client.abort(s.sub.rid)
         self.client.unregister(list(self._by_rid))
         m = self._metrics
-        m.inflight.labels(**m.l()).dec(len(unfinished))
-        m.requests.labels(**m.l(endpoint=self._endpoint, status=str(self.status))).inc()
+        m.on_inflight(-len(unfinished))
+        m.on_request(self._endpoint, self.status)
         for s in self.states:
             if s.finished and not s.failed:
-                m.prompt_tokens.labels(**m.l()).inc(s.prompt_tokens)
-                m.cached_tokens.labels(**m.l()).inc(s.cached_tokens)
                 timeline = s.timeline(self.req.arrival_time)
-                for stage, ms in (timeline or {}).get("stages_ms", {}).items():
-                    m.stage.labels(**m.l(stage=stage)).observe(ms / 1000.0)
-        m.e2e.labels(**m.l()).observe(time.time() - self.req.arrival_time)
+                m.on_sequence(s.prompt_tokens, s.cached_tokens, (timeline or {}).get("stages_ms", {}))
+        m.on_e2e(time.time() - self.req.arrival_time)
 
     def abort_all(self) -> list[str]:
         rids = [s.sub.rid for s in self.states if not s.finished]

@@ -46,26 +46,65 @@ class ApiMetrics:
                                 f"tokens generated per second over the last {window_s:g} s", names,
                                 registry=self.registry)
         self._window_s = window_s
-        self._recent: deque[tuple[float, int]] = deque()  # (monotonic time, tokens)
-
-    def l(self, **extra: str) -> dict[str, str]:  # noqa: E743 - short on purpose, used a lot
-        return {**self._labels, **extra}
+        # Tokens per whole second of monotonic time, oldest first: one entry per second, however
+        # many outputs arrive in it (on_tokens runs once per output, so it stays a few attribute
+        # lookups: children are bound here once, not looked up by label on every call).
+        self._recent: deque[list[int]] = deque()  # [second, tokens]
+        lab = self._labels
+        self._tokens_out = self.generation_tokens.labels(**lab)
+        self._prompt = self.prompt_tokens.labels(**lab)
+        self._cached = self.cached_tokens.labels(**lab)
+        self._inflight = self.inflight.labels(**lab)
+        self._ttft = self.ttft.labels(**lab)
+        self._e2e = self.e2e.labels(**lab)
+        self._throughput = self.throughput.labels(**lab)
+        self._stages: dict[str, object] = {}
+        self._tokens_pending = 0
 
     def on_tokens(self, n: int) -> None:
         if n <= 0:
             return
-        self.generation_tokens.labels(**self._labels).inc(n)
-        now = time.monotonic()
-        self._recent.append((now, n))
-        self._trim(now)  # here too: a node nobody scrapes must not grow one entry per output
+        self._tokens_pending += n  # into the counter at the next render: a lock-free int add here
+        sec = int(time.monotonic())
+        recent = self._recent
+        if recent and recent[-1][0] == sec:
+            recent[-1][1] += n
+            return
+        recent.append([sec, n])
+        self._trim(sec)  # here too: a node nobody scrapes must not grow without bound
 
-    def _trim(self, now: float) -> None:
-        while self._recent and self._recent[0][0] < now - self._window_s:
+    def on_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def on_inflight(self, delta: int) -> None:
+        self._inflight.inc(delta)
+
+    def on_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(**self._labels, endpoint=endpoint, status=str(status)).inc()
+
+    def on_sequence(self, prompt_tokens: int, cached_tokens: int, stages_ms: dict[str, float]) -> None:
+        """A sequence that finished without error."""
+        self._prompt.inc(prompt_tokens)
+        self._cached.inc(cached_tokens)
+        for stage, ms in stages_ms.items():
+            child = self._stages.get(stage)
+            if child is None:
+                child = self._stages[stage] = self.stage.labels(**self._labels, stage=stage)
+            child.observe(ms / 1000.0)  # type: ignore[attr-defined]
+
+    def on_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def _trim(self, now_s: int) -> None:
+        # The last window_s whole seconds count, the current (partial) one included.
+        while self._recent and self._recent[0][0] <= now_s - self._window_s:
             self._recent.popleft()
 
     def _update_throughput(self) -> None:
-        self._trim(time.monotonic())
-        self.throughput.labels(**self._labels).set(sum(n for _, n in self._recent) / self._window_s)
+        pending, self._tokens_pending = self._tokens_pending, 0
+        self._tokens_out.inc(pending)
+        self._trim(int(time.monotonic()))
+        self._throughput.set(sum(n for _, n in self._recent) / self._window_s)
 
     def render(self, scheduler: dict | None) -> bytes:
         self._update_throughput()

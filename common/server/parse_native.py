@@ -13,6 +13,7 @@ from common.server.parse_common import (
     expand_bootstrap,
     finalize_sub,
     get_bool,
+    all_ints,
     is_int,
     make_rids,
     per_item,
@@ -41,7 +42,7 @@ def _prompts(body: dict, tok: TokenizerLike) -> tuple[list[list[int]], bool]:
         raise bad_request("'text' must be a string or a non-empty list of strings")
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
         return [as_id_list(x, "'input_ids' entries") for x in ids], True
-    if isinstance(ids, list) and all(is_int(x) for x in ids):
+    if isinstance(ids, list) and all_ints(ids):
         return [ids], False
     raise bad_request("'input_ids' must be a list of integers or a non-empty list of such lists")
 

@@ -27,7 +27,7 @@ from common.server.parse_common import (
     finalize_sub,
     get_bool,
     get_int,
-    is_int,
+    all_ints,
     make_rids,
     reject_unsupported,
 )
@@ -109,7 +109,7 @@ def parse_completion(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedReq
         prompts = [tok.encode(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = [tok.encode(p) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all_ints(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [as_id_list(p, "'prompt' entries") for p in prompt]

@@ -47,8 +47,8 @@ def exported() -> tuple[set[str], set[str]]:
     router.latency.labels("generate").observe(0.2)
     router.stage.labels("generate", "decode.kv_transfer").observe(0.01)
     api = ApiMetrics("decode", "m")
-    api.requests.labels(**api.l(endpoint="generate", status="200")).inc()
-    api.stage.labels(**api.l(stage="prealloc")).observe(0.001)
+    api.on_request("generate", 200)
+    api.on_sequence(16, 0, {"prealloc": 1.0})
     gauges = {**Node().stats.metrics(), **Rig().stats.metrics()}
     gauge_text = scheduler_gauges(gauges, {"role": "decode", "model_name": "m"})
     names = _registry_names(router.registry) | _registry_names(api.registry)
