@@ -45,6 +45,7 @@ class MirrorPlan:
     to_lane: torch.Tensor | None  # [B] int64 batch row of each lane; None: lanes are in batch order
     from_lane: torch.Tensor | None  # [B] int64 lane of each batch row (to put outputs back); None: identity
     mask: torch.Tensor | None  # [B, 1, 1, S] bool in lane order; None: every lane has S keys
+    bias: torch.Tensor | None  # the mask as float32 0 / -inf (built by the first layer that needs it)
     fills: list[tuple[int, torch.Tensor]]  # (lane, pool slots of positions 0 .. n-1) to copy in
     moves: list[tuple[int, int, int]]  # (from lane, to lane, length): compaction, before fills
     done_layers: set[int]
@@ -121,7 +122,7 @@ class DecodeMirror:
             positions=torch.tensor([length - 1 for length in seq], dtype=torch.int64, device=dev),
             to_lane=None if to_lane is None else to_lane.to(dev),
             from_lane=None if in_order else lanes_t.to(dev),
-            mask=mask, fills=fills, moves=moves, done_layers=set())
+            mask=mask, bias=None, fills=fills, moves=moves, done_layers=set())
 
     def _drop_absent(self, present: set[int]) -> list[tuple[int, int, int]]:
         """Free the lanes of rows not in this batch; the last lane fills each hole."""
