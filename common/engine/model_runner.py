@@ -135,7 +135,8 @@ class ModelRunner:
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [B]
         pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)  # [T]
         # Each new token's slot is already in the request's row (reserved by the scheduler).
-        tok_rows = torch.repeat_interleave(rows_t, torch.tensor(lens, device=dev))  # [T]
+        # Decode has one token per row: no repeat_interleave (tens of microseconds a step on CPU).
+        tok_rows = rows_t if mode is ForwardMode.DECODE else torch.repeat_interleave(rows_t, torch.tensor(lens, device=dev))  # [T]
         out_loc = table[tok_rows, pos_t].long()  # [T]
         seq = [p + n for p, n in zip(prefix, lens)]
         return ForwardBatch(

@@ -24,12 +24,13 @@ NEAR_TIE = 1e-3
 MAX_NEW = 12
 
 
-def build_engine(model_dir: str, page_size: int, chunk: int, total_tokens: int = 8192) -> tuple[LocalEngine, ModelRunner]:
+def build_engine(model_dir: str, page_size: int, chunk: int, total_tokens: int = 8192,
+                 mirror_mib: int = AttentionConfig.torch_decode_mirror_mib) -> tuple[LocalEngine, ModelRunner]:
     cfg = resolve(NodeConfig(
         role="prefill",
         model=ModelConfig(model_path=model_dir, device="cpu", dtype="float32"),
         cache=CacheConfig(page_size=page_size, max_total_tokens=total_tokens, max_running_requests=32),
-        attention=AttentionConfig(backend="torch"),
+        attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=mirror_mib),
     ))
     runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
     engine = LocalEngine(EngineDriver(runner, Sampler()), runner.memory, StopChecker(runner.arch.eos_token_ids),
@@ -64,10 +65,13 @@ def compare(model_dir: str, prompts: list[list[int]], outputs: list[list[int]]) 
     return ties
 
 
-@pytest.mark.parametrize("page_size,chunk", [(1, 32), (16, 48)])
-def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int) -> None:
+@pytest.mark.parametrize("page_size,chunk,mirror_mib", [(1, 32, 1024), (16, 48, 1024), (16, 48, 0)])
+def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirror_mib: int) -> None:
+    """mirror_mib 0: decode gathers K/V from the pages (the torch backend's path without the
+    decode mirror); otherwise decode reads the mirror."""
     torch.manual_seed(0)
-    engine, runner = build_engine(tiny_model_dir, page_size, chunk)
+    engine, runner = build_engine(tiny_model_dir, page_size, chunk, mirror_mib=mirror_mib)
+    assert (runner.attn_backend.mirror is None) == (mirror_mib == 0)
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
