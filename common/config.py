@@ -79,8 +79,13 @@ class SchedulerConfig:
     # Decode: request rows beyond max_running_requests, for rooms in transfer and waiting. Without
     # them a full running batch would stop all pre-allocation and the next requests' transfers.
     prealloc_rows: int | None = None  # None -> max_running_requests
+    # Decode: a streamed request's output goes out every this many tokens (SGLang's and vLLM's
+    # --stream-interval); its first token and its end always go at once.
+    stream_interval: int = 1
 
     def validate(self) -> None:
+        if self.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ConfigError(f"--schedule-policy {self.schedule_policy!r}: expected fcfs or lpm")
         if self.max_prefill_tokens < 1:

@@ -37,17 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV headroom kept per running request when admitting new rooms")
     p.add_argument("--schedule-conservativeness", type=float, default=1.0,
                    help="scales the decode headroom ratio (new_token_ratio); < 1 admits more rooms and retracts more")
+    p.add_argument("--stream-interval", type=int, default=SchedulerConfig.stream_interval,
+                   help="a streamed request's tokens go out every N decode steps (first token and end at once); "
+                        "N > 1 trades smoothness for less work per token in this node, the router and the client")
     return p
 
 
-def _sched_config(conservativeness: float, reserved_decode_tokens: int) -> SchedulerConfig:
+def _sched_config(conservativeness: float, reserved_decode_tokens: int, stream_interval: int) -> SchedulerConfig:
     """SGLang's --schedule-conservativeness: both ends of the new_token_ratio schedule scale with it."""
     if conservativeness <= 0:
         raise ConfigError(f"--schedule-conservativeness must be > 0, got {conservativeness}")
     base = SchedulerConfig()
     init = min(base.new_token_ratio_init * conservativeness, 1.0)
     return replace(base, new_token_ratio_init=init, new_token_ratio_min=min(base.new_token_ratio_min * conservativeness, init),
-                   reserved_decode_tokens=reserved_decode_tokens)
+                   reserved_decode_tokens=reserved_decode_tokens, stream_interval=stream_interval)
 
 
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
@@ -55,7 +58,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         role="decode",
         model=model_config(a),
         cache=cache_config(a, enable_prefix_cache=False),
-        sched=_sched_config(a.schedule_conservativeness, a.num_reserved_decode_tokens),
+        sched=_sched_config(a.schedule_conservativeness, a.num_reserved_decode_tokens, a.stream_interval),
         attention=attention_config(a),
         transfer=transfer_config(a),
         server=server_config(a),

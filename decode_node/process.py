@@ -56,7 +56,7 @@ class DecodePart:
             engine, memory, manager, self._aux, stop, DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
             DecodeSchedConfig(max_running_requests=self._max_running, recompute_tokens_per_step=chunk,
-                              check_aux_room=self.transfer.backend != "fake"))
+                              check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval))
         return scheduler, DecodeStats(scheduler, self._aux.num_slots, manager.num_rooms)
 
     def ready_info(self) -> dict:

@@ -88,6 +88,7 @@ class DecodeSchedConfig:
     recompute_tokens_per_step: int = 2048  # resume budget per step (at least one request resumes)
     check_aux_room: bool = True  # False with the fake backend: it writes no aux row
     drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
+    stream_interval: int = 1  # a streamed request's tokens go out every this many (first and last at once)
 
 
 @dataclass

@@ -293,7 +293,7 @@ class DecodeScheduler:
             if r.finish is not None:
                 running.remove(r)
                 self._finish(r)
-            elif r.stream:
+            elif r.stream and len(r.out) - r.sent >= self.cfg.stream_interval:
                 self._emit(r)
 
     def _make_room(self) -> bool:

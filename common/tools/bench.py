@@ -67,6 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--compare", choices=PEERS,
                    help="--launch: then run the same workload, client and load against this peer engine serving "
                         "the same checkpoint (scripts/peers/), and print both rows in one table")
+    t.add_argument("--peer-args", default="",
+                   help="--compare: extra flags for the peer's server, one shell-quoted string (e.g. \"--stream-interval 4\" "
+                        "with --decode-args \"--stream-interval 4\", to compare at the same setting)")
     t.add_argument("--paired-direct", action="store_true",
                    help="--launch: send every request twice, one at a time, through the router and straight to the "
                         "pair, in random order; report the router's added latency per pair (common/tools/bench_paired.py)")
@@ -133,6 +136,8 @@ def check_args(a: argparse.Namespace) -> str | None:
         return "give --url URL (a router), --prefill URL --decode URL --bootstrap-port B (a pair), or --launch"
     elif a.endpoint != "generate":
         return "a pair without a router is sent /generate: drop --endpoint"
+    if a.peer_args and not a.compare:
+        return "--peer-args are the peer's flags: add --compare"
     if a.max_concurrency is not None and a.max_concurrency < 1:
         return "--max-concurrency must be >= 1"
     if a.warmup_requests < 0 or a.num_prompts < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -40,7 +41,8 @@ def run_peer(a: argparse.Namespace, model: str) -> tuple[int, dict]:
     previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         try:
-            peer.spawn(a.compare, ["bash", script, "serve", model, str(port)], url + "/health", a.startup_timeout)
+            cmd = ["bash", script, "serve", model, str(port), *shlex.split(a.peer_args)]
+            peer.spawn(a.compare, cmd, url + "/health", a.startup_timeout)
         except (RuntimeError, TimeoutError, OSError) as exc:
             print(f"pdcluster bench: {a.compare} did not start ({exc}); is it installed (`{script} install`)?\n"
                   f"{peer.log_tails()}", file=sys.stderr)

@@ -123,6 +123,22 @@ def test_stop_token_and_completions_endpoint(pd_cluster: Cluster) -> None:
     pd_cluster.wait_idle()
 
 
+def test_stream_chunks_follow_the_stream_interval(pd_cluster: Cluster) -> None:
+    """The llama pair's decode runs --stream-interval 3: after the first token (at once), no chunk
+    but the last carries fewer than 3 new tokens; qwen3's (interval 1) first chunk is one token too."""
+    interval = 3 if "llama" in pd_cluster.model_dir else 1
+    prompt = list(range(5, 17))
+    want, _ = hf_greedy(pd_cluster.model_dir, prompt, 11)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 11, "temperature": 0, "ignore_eos": True}}
+    _, events, status = pd_cluster.pd_stream("/generate", body)
+    assert status == 200 and events[-1] == {"done": True}
+    ids = [e["output_ids"] for e in events[:-1]]  # native streams carry the cumulative ids
+    assert ids[-1] == want, (ids, want)
+    sizes = [len(b) - len(a) for a, b in zip([[]] + ids[:-1], ids)]
+    assert sizes[0] == 1 and all(n >= interval for n in sizes[1:-1]), sizes
+    pd_cluster.wait_idle()
+
+
 def test_stop_string_is_held_back_and_cut(pd_cluster: Cluster) -> None:
     tok = _tokenizer(pd_cluster.model_dir)
     prompt = [21, 22, 23, 24, 25, 26]

@@ -187,7 +187,8 @@ def test_cli_bad_arguments() -> None:
                  ["--make-tiny-model", "--url", "http://x"], ["--make-tiny-model", "--num-decode", "0"],
                  ["--make-tiny-model", "--router", "none", "--num-prefill", "2"],
                  ["--make-tiny-model", "--paired-direct", "--router", "none"], ["--url", "http://x", "--paired-direct"],
-                 ["--make-tiny-model", "--paired-direct", "--endpoint", "completions"]):
+                 ["--make-tiny-model", "--paired-direct", "--endpoint", "completions"],
+                 ["--make-tiny-model", "--peer-args", "--stream-interval 4"]):
         proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
                               text=True, timeout=30)
         assert proc.returncode == 2 and "pdcluster bench:" in proc.stderr, (args, proc.stderr)

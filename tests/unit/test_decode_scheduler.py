@@ -12,6 +12,8 @@ import it from here.
 """
 from __future__ import annotations
 
+import pytest
+
 from collections.abc import Sequence
 
 from common.engine.driver import SampleSpec
@@ -169,7 +171,8 @@ class FakeHub:
 
 class Rig:
     def __init__(self, pages: int = 64, rows: int = 16, aux_slots: int = 16, max_running: int = 8,
-                 reserved: int = 4, ratio_init: float = 0.7, stop: StopChecker | None = None) -> None:
+                 reserved: int = 4, ratio_init: float = 0.7, stop: StopChecker | None = None,
+                 stream_interval: int = 1) -> None:
         alloc = PageAllocator(pages + 1)
         self.memory = KVMemory(alloc, ReqToTokenPool(rows, 256, "cpu"), RadixCache(alloc, PS, enabled=False), PS)
         self.engine = FakeEngine(self.memory)
@@ -181,7 +184,8 @@ class Rig:
         self.sched = DecodeScheduler(
             self.engine, self.memory, self.hub, self.aux, stop or StopChecker([EOS]), DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
-            DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=16))
+            DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=16,
+                              stream_interval=stream_interval))
         self.stats = DecodeStats(self.sched, aux_slots)
         self.outputs: dict[str, list[ReqOutput]] = {}
         self.inbox: list[WorkItem] = []  # what the API sent since the last step
@@ -296,6 +300,32 @@ def test_eos_mid_stream_stops_with_matched_token() -> None:
     assert rig.tokens("s") == ref[:4]
     fin = rig.final("s").finish
     assert fin is not None and fin.type == "stop" and fin.matched == ref[3]
+    rig.assert_clean()
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_sends_first_token_at_once_then_every_n(interval: int) -> None:
+    prompt = prompt_of(7, 5)
+    ref = reference(prompt, 11)
+    rig = Rig(stream_interval=interval)
+    rig.add("s", prompt, 11, room=1, stream=True)
+    rig.add("whole", prompt, 11, room=2)  # not streamed: one output at the end, whatever the interval
+    rig.run()
+    sizes = [len(o.new_token_ids) for o in rig.outputs["s"]]
+    assert sizes == ([1] * 11 if interval == 1 else [1, 4, 4, 2])  # the end flushes what is held
+    assert rig.tokens("s") == rig.tokens("whole") == ref
+    assert [len(o.new_token_ids) for o in rig.outputs["whole"]] == [11]
+    rig.assert_clean()
+
+
+def test_stream_interval_flushes_on_a_stop_token() -> None:
+    prompt = prompt_of(6, 5)
+    ref = reference(prompt, 6)
+    rig = Rig(stop=StopChecker([ref[5]]), stream_interval=4)
+    rig.add("s", prompt, 20, room=1, stream=True)
+    rig.run()
+    assert [len(o.new_token_ids) for o in rig.outputs["s"]] == [1, 4, 1]
+    assert rig.tokens("s") == ref[:6] and rig.final("s").finish.type == "stop"  # type: ignore[union-attr]
     rig.assert_clean()
 
 
