@@ -1,0 +1,110 @@
+"""``python -m common.tools.bench_decode_step``: one decode step of the engine alone, no
+scheduler, no transfer, no HTTP: the forward + sampling a decode node runs per step, at several
+batch sizes, with the torch backend's decode mirror on or off.
+
+Per batch size B: B requests of ``--context`` random prompt tokens are prefilled (not timed),
+then ``--warmup`` and ``--steps`` greedy decode steps run, each request's context growing by one
+token per step (as in serving: the mirror appends, the gather path re-reads everything). It
+prints ms per step and per token; the model and threads are those of a node
+(``--cpu-threads``, default 1, as ``pdcluster up`` gives each node on a 2-core box).
+
+    python -m common.tools.bench_decode_step --model-path DIR [--batch 1,8,20,32] [--context 160]
+        [--steps 200] [--page-size 16] [--torch-decode-mirror-mib 1024|0] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from common.config import AttentionConfig, CacheConfig, ModelConfig, NodeConfig, resolve
+from common.engine.driver import EngineDriver, SampleSpec
+from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
+from common.engine.sampler import Sampler
+from common.request import SamplingParams
+
+
+def step_ms(runner: ModelRunner, batch: int, context: int, warmup: int, steps: int, seed: int) -> float:
+    """Mean wall ms of one decode step of ``batch`` requests; frees everything it took."""
+    driver, memory = EngineDriver(runner, Sampler()), runner.memory
+    rng = random.Random(seed)
+    vocab = runner.arch.vocab_size
+    greedy = SamplingParams(max_new_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)
+    reqs = []
+    for _ in range(batch):
+        prompt = [rng.randrange(3, vocab) for _ in range(context)]
+        kv = memory.admit(prompt)
+        if kv is None or not memory.reserve(kv, context + warmup + steps + 1):
+            raise SystemExit(f"bench_decode_step: the KV pool does not hold {batch} x {context + warmup + steps} tokens")
+        reqs.append((kv, prompt, [], SampleSpec(greedy, [], prompt)))
+    driver.run_extend([ExtendChunk(kv.row, p, 0) for kv, p, _, _ in reqs], [s for *_, s in reqs])
+    for kv, p, out, _ in reqs:
+        kv.kv_len = len(p)
+        out.append(rng.randrange(3, vocab))
+
+    def one() -> None:
+        toks = driver.run_decode([DecodeItem(kv.row, out[-1], kv.kv_len) for kv, _, out, _ in reqs], [s for *_, s in reqs])
+        for (kv, _, out, _), t in zip(reqs, toks):
+            kv.kv_len += 1
+            out.append(t.token_id)
+
+    for _ in range(warmup):
+        one()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    ms = (time.perf_counter() - t0) * 1000 / steps
+    for kv, p, out, _ in reqs:
+        memory.release(kv, None)
+    memory.check_integrity()
+    return ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m common.tools.bench_decode_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--batch", default="1,8,20,32", help="comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=160, help="prompt tokens per request before the first step")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--torch-decode-mirror-mib", type=int, default=AttentionConfig.torch_decode_mirror_mib)
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path")
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batch.split(",")]
+    if min(batches) < 1 or a.context < 1 or a.steps < 1 or a.warmup < 0 or a.cpu_threads < 1:
+        print("bench_decode_step: batch sizes, --context, --steps and --cpu-threads must be >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(a.cpu_threads)
+    tokens = max(batches) * (a.context + a.warmup + a.steps + 1)
+    cfg = resolve(NodeConfig(
+        role="decode",
+        model=ModelConfig(model_path=a.model_path, device="cpu"),
+        cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + max(batches) * a.page_size,
+                          max_running_requests=max(batches), enable_prefix_cache=False),
+        attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=a.torch_decode_mirror_mib),
+    ))
+    runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
+    rows = []
+    print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, "
+          f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")
+    print("| batch | ms / step | us / token |\n| ---: | ---: | ---: |")
+    for b in batches:
+        ms = step_ms(runner, b, a.context, a.warmup, a.steps, a.seed)
+        rows.append({"batch": b, "ms_per_step": ms, "us_per_token": 1000 * ms / b})
+        print(f"| {b} | {ms:.3f} | {1000 * ms / b:.1f} |", flush=True)
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The decode-step benchmark tool runs the real engine at each batch size, with the decode mirror
+on and off, and leaves the KV pool as it found it (it checks integrity itself)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.tools import bench_decode_step
+
+
+@pytest.mark.parametrize("mirror", ["1024", "0"])
+def test_runs_each_batch_and_writes_json(tiny_qwen3: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         mirror: str) -> None:
+    out = tmp_path / "step.json"
+    rc = bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "1,3", "--context", "20", "--warmup", "1",
+                                 "--steps", "4", "--torch-decode-mirror-mib", mirror, "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["ms_per_step"] > 0 for r in rows)
+    assert "| 3 |" in capsys.readouterr().out
+
+
+def test_bad_arguments_exit_2(tiny_qwen3: str) -> None:
+    assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "0"]) == 2
