@@ -22,9 +22,10 @@ K/V are gathered with ``index_select`` (a row copy; advanced indexing ``buf[slot
 repeated heads; both give the same numbers as the per-request loop they replace.
 
 DECODE batches skip the gather: ``decode_mirror.py`` keeps each decoding request's K/V
-contiguous across steps, and SDPA reads it in place (the same keys and values, so the same
-numbers). The gather path stays for EXTEND, for tables the runner did not build, and for batches
-the mirror's memory budget does not cover.
+contiguous across steps and attention reads it in place (the same keys and values; in float32
+two batched matmuls instead of SDPA, equal to it up to rounding). The gather path stays for
+EXTEND, for tables the runner did not build, and for batches the mirror's memory budget does not
+cover.
 """
 from __future__ import annotations
 
