@@ -58,7 +58,7 @@ class ApiMetrics:
         self._ttft = self.ttft.labels(**lab)
         self._e2e = self.e2e.labels(**lab)
         self._throughput = self.throughput.labels(**lab)
-        self._stages: dict[str, object] = {}
+        self._stages: dict[str, Histogram] = {}  # stage -> its labelled child, bound on first use
         self._tokens_pending = 0
 
     def on_tokens(self, n: int) -> None:
@@ -90,7 +90,7 @@ class ApiMetrics:
             child = self._stages.get(stage)
             if child is None:
                 child = self._stages[stage] = self.stage.labels(**self._labels, stage=stage)
-            child.observe(ms / 1000.0)  # type: ignore[attr-defined]
+            child.observe(ms / 1000.0)
 
     def on_e2e(self, seconds: float) -> None:
         self._e2e.observe(seconds)

@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from common.config import AttentionConfig, CacheConfig, ModelConfig, NodeConfig, resolve
+from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, NodeConfig, resolve
 from common.engine.driver import EngineDriver, SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
 from common.engine.sampler import Sampler
+from common.models import ModelLoadError
 from common.request import SamplingParams
 
 
@@ -84,14 +85,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(a.cpu_threads)
     tokens = max(batches) * (a.context + a.warmup + a.steps + 1)
-    cfg = resolve(NodeConfig(
-        role="decode",
-        model=ModelConfig(model_path=a.model_path, device="cpu"),
-        cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + max(batches) * a.page_size,
-                          max_running_requests=max(batches), enable_prefix_cache=False),
-        attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=a.torch_decode_mirror_mib),
-    ))
-    runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
+    try:
+        cfg = resolve(NodeConfig(
+            role="decode",
+            model=ModelConfig(model_path=a.model_path, device="cpu"),
+            cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + max(batches) * a.page_size,
+                              max_running_requests=max(batches), enable_prefix_cache=False),
+            attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=a.torch_decode_mirror_mib),
+        ))
+        runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"bench_decode_step: {exc}", file=sys.stderr)
+        return 2
     rows = []
     print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, "
           f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")

@@ -24,3 +24,5 @@ def test_runs_each_batch_and_writes_json(tiny_qwen3: str, tmp_path: Path, capsys
 
 def test_bad_arguments_exit_2(tiny_qwen3: str) -> None:
     assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "0"]) == 2
+    assert bench_decode_step.main(["--model-path", tiny_qwen3 + "-missing"]) == 2
+    assert bench_decode_step.main(["--model-path", tiny_qwen3, "--page-size", "3"]) == 2
