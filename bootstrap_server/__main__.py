@@ -3,7 +3,8 @@
 ``main(argv)`` is also what ``pdcluster bootstrap`` calls. It serves until SIGINT or SIGTERM,
 then closes the listener and returns 0; it returns 1 when the port cannot be bound. Bad flags
 exit with status 2 (argparse's ``SystemExit``). With a cluster secret (``--cluster-secret``,
-``--cluster-secret-file`` or ``PDC_CLUSTER_SECRET``) every route but ``GET /health`` requires it.
+``--cluster-secret-file`` or ``PDC_CLUSTER_SECRET``) every route but ``GET /health`` requires a request
+token made from it; without one it listens only on a loopback address unless ``--insecure``.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 
 from bootstrap_server.server import AsyncBootstrapServer
 from common import envs
-from common.auth import SecretError, resolve_secret
+from common.auth import SecretError, check_exposure, resolve_secret
 
 logger = logging.getLogger("bootstrap_server")
 
@@ -25,9 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 to serve other machines (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8998, help="port to listen on, 0 for any free port (default: %(default)s)")
     parser.add_argument("--log-level", default=None, help="log level (default: PDC_LOG_LEVEL or INFO)")
-    parser.add_argument("--cluster-secret", help="require 'Authorization: Bearer SECRET' on every route but /health "
-                        "(default: PDC_CLUSTER_SECRET; none: open)")
+    parser.add_argument("--cluster-secret", help="require a request token made from it on every route but /health "
+                        "(default: PDC_CLUSTER_SECRET; none: open, and only on a loopback --host unless --insecure)")
     parser.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file")
+    parser.add_argument("--insecure", action="store_true", default=None,
+                        help="listen on a non-loopback --host without a secret (default: PDC_INSECURE)")
     return parser
 
 
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--log-level {level!r}: expected DEBUG, INFO, WARNING or ERROR")
     try:
         secret = resolve_secret(args.cluster_secret, args.cluster_secret_file, envs.CLUSTER_SECRET, "--cluster-secret")
+        check_exposure(args.host, secret, envs.INSECURE.get() if args.insecure is None else args.insecure,
+                       "bootstrap registry")
     except SecretError as exc:
         build_parser().error(str(exc))
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -53,7 +53,7 @@ import msgspec
 
 from bootstrap_server.errors import BootstrapError, BootstrapUnreachable, RankNotRegistered
 from bootstrap_server.schema import PrefillLayout, RankInfo
-from common.auth import bearer
+from common.auth import signed_headers
 
 DEFAULT_TIMEOUT_S = 5.0
 _MAX_RETRY_INTERVAL_S = 1.0
@@ -95,7 +95,7 @@ def _request(method: str, url: str, timeout_s: float, body: bytes | None = None,
              secret: str | None = None) -> tuple[int, bytes]:
     """One HTTP exchange; any status comes back, only transport failures raise."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
-    headers.update(bearer(secret))
+    headers.update(signed_headers(secret, method, url, body or b""))
     try:
         req = urllib.request.Request(url, data=body, method=method, headers=headers)
         with _opener.open(req, timeout=timeout_s) as resp:

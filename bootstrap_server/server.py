@@ -11,7 +11,7 @@ Routes (JSON bodies; every error is ``{"error": "<reason>"}``)::
     GET    /routes                                 every registered RankInfo (for operators)
     GET    /health                                 200 "OK" | 503 (the embedder's health check said no)
 
-With a cluster secret every route but ``GET /health`` needs ``Authorization: Bearer <secret>``
+With a cluster secret every route but ``GET /health`` needs a request token made from it
 and answers 401 without it: registering or removing a rank redirects decodes' KV writes, and the
 routes name every rank's control and data-plane address.
 
@@ -29,7 +29,7 @@ import msgspec
 from aiohttp import web
 
 from bootstrap_server.client import bootstrap_url
-from common.auth import WWW_AUTHENTICATE, RefusalLog, bearer_matches
+from common.auth import WWW_AUTHENTICATE, RefusalLog, RequestVerifier
 from bootstrap_server.registry import Registry, RegistryConflict, format_key
 from bootstrap_server.schema import RankInfo
 
@@ -189,17 +189,22 @@ async def _health(request: web.Request) -> web.Response:
 
 
 def _require_secret(secret: str):  # type: ignore[no-untyped-def]
-    refusals = RefusalLog(logger, "a registry request without the cluster secret")
+    """Every route but ``GET /health`` needs a request token made from ``secret`` (common/auth.py):
+    the secret itself never travels, and a recorded token is good for nothing else."""
+    verifier = RequestVerifier(secret)
+    refusals = RefusalLog(logger, "a registry request without a valid cluster-secret token")
 
     @web.middleware
     async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
-        if (request.method == "GET" and request.path == "/health") or \
-                bearer_matches(request.headers.get("Authorization"), secret):
+        if request.method == "GET" and request.path == "/health":
             return await handler(request)
-        given = "no" if "Authorization" not in request.headers else "a wrong"
-        refusals.refused(f"{request.method} {request.path} from {request.remote} with {given} Authorization header")
-        return web.Response(status=401, body=_json.encode({"error": "the bootstrap registry requires the cluster "
-                                                                    "secret: send 'Authorization: Bearer <secret>'"}),
+        body = await request.read()  # bounded by client_max_size; the token covers it
+        reason = verifier.check(request.headers.get("Authorization"), request.method, request.raw_path, body)
+        if reason is None:
+            return await handler(request)
+        refusals.refused(f"{request.method} {request.path} from {request.remote}: {reason}")
+        return web.Response(status=401, body=_json.encode({"error": "the bootstrap registry requires a request "
+                                                                    "token made from the cluster secret"}),
                             content_type="application/json", headers={"WWW-Authenticate": WWW_AUTHENTICATE})
 
     return middleware

@@ -129,6 +129,9 @@ class TransferConfig:
     # The cluster's shared secret (common/auth.py), or None: access control off. It guards this
     # node's HTTP API, its bootstrap registry and the control plane. repr=False: never logged.
     cluster_secret: str | None = field(default=None, repr=False)
+    # Also take the bare secret as a bearer token on HTTP: what sglang-router 0.3.2 sends to
+    # workers (its --api-key). Off by default: then the secret itself never crosses the wire.
+    accept_bearer_secret: bool = field(default_factory=envs.ACCEPT_BEARER_SECRET.get)
 
     def validate(self) -> None:
         if self.backend not in ("mooncake", "fake"):

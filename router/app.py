@@ -11,7 +11,8 @@ plus the operator's endpoints.
     GET  /metrics                                            Prometheus
 
 With ``--api-key`` every endpoint but /health, /readiness and /liveness needs it (router/auth.py);
-with ``--cluster-secret`` every request to a node carries it as a bearer token. One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
+with ``--cluster-secret`` every request to a node carries a request token made from it, and a
+node is sent nothing before it proved the secret (router/node_auth.py). One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
 health probes and the load polls. Handlers are cancelled when their client disconnects, which
 closes both legs of its request.
 """
@@ -27,16 +28,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from common.auth import bearer
 from router import dashboard
 from router.auth import require_api_key
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
 from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.node_auth import sign_requests
 from router.parse import RouterError, inspect
 from router.policies import make_policy
 from router.rooms import Rooms
-from router.workers import Workers
+from router.workers import Worker, Workers
 
 MAX_BODY_BYTES = 64 * 2**20  # long token-id prompts are large JSON
 MODELS_CACHE_S = 10.0
@@ -50,7 +51,7 @@ class Router:
         self.session = session
         self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache),
                          "decode": make_policy(cfg.decode_policy, cfg.cache)}
-        self.workers = Workers(cfg.workers, cfg.health_failure_threshold, self._forget)
+        self.workers = Workers(cfg.workers, cfg.health_failure_threshold, self._forget, cfg.cluster_secret)
         self.rooms = Rooms()
         self.metrics = RouterMetrics(self.workers.all)
         self.forwarder = Forwarder(self.workers, self.policies, self.rooms, session,
@@ -70,11 +71,11 @@ CONFIG = web.AppKey("config", RouterConfig)
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     # No pool limit (the cluster's capacity is the limit); a connect is bounded so a dead host
-    # fails a try in seconds. No total timeout here: each request has its own deadline. The
-    # cluster secret is a default header: forwards, fan-outs, probes and load polls all carry it.
+    # fails a try in seconds. No total timeout here: each request has its own deadline. With a
+    # cluster secret the session signs every request (forwards, fan-outs, load polls) in one place.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-                                    headers=bearer(cfg.cluster_secret))
+                                    middlewares=(sign_requests(cfg.cluster_secret),) if cfg.cluster_secret else ())
     router = Router(cfg, session)
     app[STATE] = router
     loops = asyncio.create_task(router.workers.run(session, cfg.health_check_interval_s, cfg.load_poll_interval_s,
@@ -180,7 +181,14 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str, body: Any
 async def fan_out(request: web.Request, path: str, body: Any = None) -> web.Response:
     router = request.app[STATE]
     workers = router.workers.all()
-    results = await asyncio.gather(*(_call(router.session, "POST", w.url + path, body) for w in workers))
+
+    async def call(w: Worker) -> tuple[int, Any]:
+        # With a secret, a worker that has not proven it (not healthy) is sent nothing.
+        if router.cfg.cluster_secret and not w.healthy:
+            return 0, f"not sent: the worker is not healthy ({w.last_error or 'not probed yet'})"
+        return await _call(router.session, "POST", w.url + path, body)
+
+    results = await asyncio.gather(*(call(w) for w in workers))
     per = {w.url: {"role": w.role, "status": s, "body": b} for w, (s, b) in zip(workers, results)}
     ok = all(r["status"] == 200 for r in per.values())
     return web.json_response({"success": ok, "workers": per}, status=200 if ok else 502)

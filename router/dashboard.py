@@ -78,7 +78,10 @@ class ClusterView:
 
     async def _gather(self, router: RouterLike) -> dict:
         workers = router.workers.all()
-        fetched = await asyncio.gather(*(self._fetch(router.session, w) for w in workers))
+        # With a cluster secret, a worker that has not proven it (not healthy) is sent nothing.
+        guarded = router.cfg.cluster_secret is not None
+        fetched = await asyncio.gather(*(self._fetch(router.session, w) if w.healthy or not guarded
+                                         else _not_sent(w) for w in workers))
         counts = {role: len(router.workers.candidates(role)) for role in ROLES}
         return {
             "generated_at": time.time(),
@@ -144,6 +147,10 @@ async def _get(session: aiohttp.ClientSession, url: str, json_body: bool) -> tup
         return None, f"{path}: {type(exc).__name__}: {exc}"
     except ValueError as exc:
         return None, f"{path}: not JSON: {exc}"
+
+
+async def _not_sent(w: Worker) -> tuple[None, None, str]:
+    return None, None, f"not asked: the worker is not healthy ({w.last_error or 'not probed yet'})"
 
 
 def scheduler_gauges(text: str) -> dict[str, float]:

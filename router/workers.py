@@ -7,7 +7,8 @@
     DELETE /workers: draining (no new requests) --last in-flight request ends--> forgotten
 
 Two background loops share the router's one HTTP session: every ``health_check_interval_s`` a
-``GET /health`` to each worker (2xx = healthy), and every ``load_poll_interval_s`` a
+``GET /health`` to each worker (2xx = healthy; with a cluster secret the probe carries a
+challenge and only a worker that proves the secret is healthy: router/node_auth.py), and every ``load_poll_interval_s`` a
 ``GET /get_load`` to each healthy one. A worker's load is the router's own in-flight count plus
 what the node reports beyond it (requests other routers or clients sent it directly).
 """
@@ -23,6 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from router.config import WorkerSpec
+from router.node_auth import NotProven, challenge_probe
 
 log = logging.getLogger("router.workers")
 
@@ -58,8 +60,10 @@ class Worker:
 class Workers:
     """The worker set. ``on_forget(url)`` runs when a worker leaves for good (policies drop it)."""
 
-    def __init__(self, specs: tuple[WorkerSpec, ...], failure_threshold: int, on_forget: Callable[[str], None]) -> None:
+    def __init__(self, specs: tuple[WorkerSpec, ...], failure_threshold: int, on_forget: Callable[[str], None],
+                 secret: str | None = None) -> None:
         self._by_url: dict[str, Worker] = {}
+        self._secret = secret  # with one, a probe is healthy only if the worker proves it (router/node_auth.py)
         self._threshold = failure_threshold
         self._on_forget = on_forget
         self.changed = asyncio.Event()  # set when health or membership changes (probes kick in at once)
@@ -141,9 +145,12 @@ class Workers:
     async def check_health(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         async def one(w: Worker) -> None:
             try:
-                async with session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                    await r.read()
-                    self.probed(w, 200 <= r.status < 300, None if r.status < 300 else f"/health answered {r.status}")
+                reason = await challenge_probe(session, w.url, self._secret, timeout_s)
+                self.probed(w, reason is None, reason)
+            except NotProven as exc:
+                # Whatever answers at that address now is not ours: out at once, not after the
+                # threshold, so no request of ours reaches it.
+                self.mark_failed(w, str(exc))
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 self.probed(w, False, f"/health: {type(exc).__name__}: {exc}")
 

@@ -1,7 +1,9 @@
-"""Authenticity of control-plane messages: an HMAC-SHA256 tag keyed from the cluster secret.
+"""Authenticity and freshness of control-plane messages: an HMAC-SHA256 tag keyed from the
+cluster secret, over the payload, a timestamp and a nonce.
 
-    frame = msgpack payload || HMAC-SHA256(key, payload)          (32-byte tag, one ZMQ frame)
-    key   = HMAC-SHA256(cluster secret, "pdcluster/control-plane/v1")
+    frame = msgpack payload || ts (8 bytes, ms, big-endian) || nonce (8 bytes) || tag (32 bytes)
+    tag   = HMAC-SHA256(key, payload || ts || nonce)
+    key   = HMAC-SHA256(cluster secret, "pdcluster/control-plane/v2")
 
 Both channels carry it (decode -> prefill and prefill -> decode) once a secret is configured;
 the receiver checks the tag in constant time before decoding, so a message from a peer without
@@ -10,41 +12,72 @@ and the serving thread goes on. Without a secret frames are the bare payload, as
 with a secret and one without cannot talk (each drops the other's frames as malformed or
 unauthenticated), and the heartbeat turns that into failed rooms rather than a hang.
 
-What it does not do: encrypt (messages are readable on the wire) or stop replays (a recorded
-message is valid again; ours are idempotent or name a room/session whose state rejects a
-stale copy). The key is derived rather than the secret used as is, so a tag never doubles as
-proof of the HTTP bearer token. Cost: one HMAC over a few hundred bytes per message.
+Replays: a frame is accepted once, within ``WINDOW_S`` of the receiver's clock. Every nonce
+accepted is remembered until its frame expires, so a recorded ``AbortRoom``, ``TransferInfo`` or
+status sent again is dropped like a forged one (counted the same way). The window allows for
+clock skew between pods; nodes need synchronised clocks (NTP), as every TLS stack does.
+
+What it does not do: encrypt (messages are readable on the wire). The key is derived rather
+than the secret used as is, so a tag never doubles as a request token or a proof (common/auth.py).
+Cost: one HMAC over a few hundred bytes per message and a dict lookup.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
 
 TAG_BYTES = 32  # SHA-256
-_CONTEXT = b"pdcluster/control-plane/v1"
+_STAMP = struct.Struct(">Q8s")  # ms since the epoch, nonce
+OVERHEAD = _STAMP.size + TAG_BYTES
+WINDOW_S = 60.0
+# Only frames with a valid tag are remembered: this bounds memory against a legitimate rate above
+# MAX_NONCES / (2 * WINDOW_S) messages/s per receiving manager, never against a stranger.
+MAX_NONCES = 200_000
+_CONTEXT = b"pdcluster/control-plane/v2"
 
 
 class ControlAuth:
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, window_s: float = WINDOW_S, max_nonces: int = MAX_NONCES) -> None:
         if not secret:
             raise ValueError("ControlAuth needs a non-empty cluster secret")
         self._key = hmac.new(secret.encode(), _CONTEXT, hashlib.sha256).digest()
+        self._window_ms = int(window_s * 1000)
+        self._max = max_nonces
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> when it may be forgotten (ms)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return "ControlAuth(<secret>)"
 
-    def seal(self, payload: bytes) -> bytes:
-        """``payload`` with its tag appended: what goes on the wire."""
-        return payload + hmac.digest(self._key, payload, "sha256")
+    def seal(self, payload: bytes, now: float | None = None) -> bytes:
+        """``payload`` with its stamp and tag appended: what goes on the wire."""
+        stamped = payload + _STAMP.pack(int((time.time() if now is None else now) * 1000), os.urandom(8))
+        return stamped + hmac.digest(self._key, stamped, "sha256")
 
-    def open(self, frame: bytes) -> bytes | None:
-        """The payload of a frame whose tag is right, else None (too short, or a wrong tag)."""
-        if len(frame) <= TAG_BYTES:
+    def open(self, frame: bytes, now: float | None = None) -> bytes | None:
+        """The payload of a fresh frame whose tag is right, seen for the first time; else None (too
+        short, a wrong tag, too old or too far ahead, or a replay)."""
+        if len(frame) <= OVERHEAD:
             return None
-        payload, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
-        if not hmac.compare_digest(tag, hmac.digest(self._key, payload, "sha256")):
+        stamped, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+        if not hmac.compare_digest(tag, hmac.digest(self._key, stamped, "sha256")):
             return None
-        return payload
+        ts_ms, nonce = _STAMP.unpack(stamped[-_STAMP.size:])
+        now_ms = int((time.time() if now is None else now) * 1000)
+        if abs(now_ms - ts_ms) > self._window_ms:
+            return None
+        with self._lock:
+            while self._seen and (len(self._seen) >= self._max or next(iter(self._seen.values())) < now_ms):
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                return None
+            self._seen[nonce] = ts_ms + self._window_ms
+        return stamped[:-_STAMP.size]
 
 
 def control_auth(secret: str | None) -> ControlAuth | None:

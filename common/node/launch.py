@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from common import envs
-from common.auth import SecretError, resolve_secret
+from common.auth import SecretError, check_exposure, resolve_secret
 from common.config import (
     AttentionConfig,
     CacheConfig,
@@ -93,6 +93,12 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--cluster-secret", help="shared secret the router and peers must present (default: "
                    "PDC_CLUSTER_SECRET; none: access control off). A flag shows in `ps`: prefer the variable or the file")
     p.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file (a mounted Secret)")
+    p.add_argument("--accept-bearer-secret", action="store_true", default=None,
+                   help="also accept the cluster secret itself as a bearer token, as sglang-router sends it "
+                        "(default: PDC_ACCEPT_BEARER_SECRET; off: only request tokens, the secret never crosses the wire)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="start without a cluster secret although --host is not a loopback address "
+                        "(default: PDC_INSECURE; off: such a node refuses to start)")
 
 
 def model_config(ns: argparse.Namespace) -> ModelConfig:
@@ -109,10 +115,12 @@ def cache_config(ns: argparse.Namespace, *, enable_prefix_cache: bool) -> CacheC
 def transfer_config(ns: argparse.Namespace) -> TransferConfig:
     try:
         secret = resolve_secret(ns.cluster_secret, ns.cluster_secret_file, envs.CLUSTER_SECRET, "--cluster-secret")
+        check_exposure(ns.host, secret, envs.INSECURE.get() if ns.insecure is None else ns.insecure, "node")
     except SecretError as exc:
         raise ConfigError(str(exc)) from exc
+    accept_bearer = envs.ACCEPT_BEARER_SECRET.get() if ns.accept_bearer_secret is None else ns.accept_bearer_secret
     return TransferConfig(backend=ns.disaggregation_transfer_backend, bootstrap_port=ns.disaggregation_bootstrap_port,
-                          cluster_secret=secret)
+                          cluster_secret=secret, accept_bearer_secret=accept_bearer)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

@@ -11,7 +11,8 @@ handlers, and the routes, which live one group per module, each adding its own f
 
 Generation endpoints parse and validate (400 before anything reaches the scheduler), then hand
 over to ``generation.serve``. Ops endpoints answer from config or from a scheduler query.
-With ``cfg.cluster_secret`` every route but /health needs it (common/server/auth.py).
+With ``cfg.cluster_secret`` every route but /health needs a request token made from it
+(common/server/auth.py).
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def create_app(cfg: ApiConfig, scheduler: SchedulerClient, tokenizer: TokenizerL
     app = FastAPI(title="pdcluster node", version=VERSION, lifespan=lifespan)
     app.state.cfg, app.state.scheduler, app.state.tokenizer, app.state.metrics = cfg, scheduler, tokenizer, metrics
     if cfg.cluster_secret is not None:
-        app.add_middleware(RequireClusterSecret, secret=cfg.cluster_secret)
+        app.add_middleware(RequireClusterSecret, secret=cfg.cluster_secret, accept_bearer=cfg.accept_bearer_secret)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

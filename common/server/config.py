@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.auth import is_loopback
 from common.config import ConfigError, NodeConfig
 
 
@@ -32,8 +33,10 @@ class ApiConfig:
     max_batch_size: int = 10000  # sub-requests per HTTP request (batch items x n)
     # Extra keys merged into /server_info (page size, max_total_tokens, ... from the launcher).
     server_info_extra: dict = field(default_factory=dict)
-    # With a secret, every route but /health needs "Authorization: Bearer <secret>" (repr=False).
+    # With a secret, every route but /health needs a request token made from it (repr=False).
     cluster_secret: str | None = field(default=None, repr=False)
+    # Also take the bare secret as a bearer token (sglang-router 0.3.2 sends nothing else).
+    accept_bearer_secret: bool = False
 
     @property
     def model_name(self) -> str:
@@ -67,6 +70,7 @@ class ApiConfig:
             port=cfg.server.port,
             bootstrap_port=cfg.transfer.bootstrap_port,
             cluster_secret=cfg.transfer.cluster_secret,
+            accept_bearer_secret=cfg.transfer.accept_bearer_secret,
             server_info_extra={
                 "page_size": cfg.cache.page_size,
                 "max_total_tokens": cfg.cache.max_total_tokens,
@@ -74,6 +78,8 @@ class ApiConfig:
                 "chunked_prefill_size": cfg.sched.chunked_prefill_size,
                 "disaggregation_transfer_backend": cfg.transfer.backend,
                 "cluster_secret_required": cfg.transfer.cluster_secret is not None,
+                # Said in /server_info too: a node open to the network (--insecure) is visible as such.
+                "insecure": cfg.transfer.cluster_secret is None and not is_loopback(cfg.server.host),
             },
             **extra,  # type: ignore[arg-type]
         )

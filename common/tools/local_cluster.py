@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from common import envs
-from common.auth import bearer
+from common.auth import bearer, signed_headers
 from common.cpu_budget import split_threads
 
 STOP_GRACE_S = 15.0
@@ -90,11 +90,14 @@ class LocalCluster:
     api_key: str | None = field(default_factory=lambda: envs.API_KEY.get() or None, repr=False)
     _router_kind: str = field(default="ours", init=False, repr=False)
 
-    def headers(self, to: str = "router") -> dict[str, str]:
-        """What a client sends to the router (``to="router"``) or to a node (``"node"``)."""
-        if to == "router":
-            return bearer(self.api_key or (self.cluster_secret if self._router_kind == "sglang" else None))
-        return bearer(self.cluster_secret)
+    def headers(self) -> dict[str, str]:
+        """What a client sends to the router."""
+        return bearer(self.api_key or (self.cluster_secret if self._router_kind == "sglang" else None))
+
+    def node_headers(self, method: str, url: str, body: bytes = b"") -> dict[str, str]:
+        """What one request straight to a node or registry carries: a request token made from the
+        cluster secret for exactly this request (common/auth.py), none without a secret."""
+        return signed_headers(self.cluster_secret, method, url, body)
 
     @property
     def prefills(self) -> list[NodeInfo]:
@@ -190,6 +193,8 @@ class LocalCluster:
         env = {"PDC_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR", **os.environ, **self.env}
         if self.cluster_secret:
             env["PDC_CLUSTER_SECRET"] = self.cluster_secret
+            if self._router_kind == "sglang":  # it can only send the bare secret (its --api-key)
+                env["PDC_ACCEPT_BEARER_SECRET"] = "1"
         if self.api_key and name == "router":
             env["PDC_API_KEY"] = self.api_key
         env["PYTHONPATH"] = os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)

@@ -6,15 +6,22 @@ front — for a first run, a demo or local development.
 
 Without ``--model-path`` it makes a tiny random-weight model (its text is noise; the tests check
 the tokens against HF). It prints the router's URL, the one address clients need, and runs until
-Ctrl-C or SIGTERM, then stops every child by process group. Access control is off unless
-``--api-key`` / ``--cluster-secret`` (or ``PDC_API_KEY`` / ``PDC_CLUSTER_SECRET``) are given. ``--demo`` sends one chat request
+Ctrl-C or SIGTERM, then stops every child by process group. ``--demo`` sends one chat request
 through the router, prints the answer and both kinds of node's memory report, and shuts down.
+
+Secure by default: without ``--cluster-secret`` (or ``PDC_CLUSTER_SECRET``) it makes one for this
+run, writes it to ``cluster-secret`` (mode 0600) in a run directory of its own (mode 0700) and
+hands it to the children in their environment, so a node, the registry and the control plane
+answer only the router and each other. ``--insecure`` runs them open instead. The router's
+client key stays off unless ``--api-key`` (or ``PDC_API_KEY``) is given.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -54,18 +61,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--startup-timeout", type=float, default=180.0)
     ap.add_argument("--api-key", help="clients of the router must send 'Authorization: Bearer KEY' (default: PDC_API_KEY)")
-    ap.add_argument("--cluster-secret", help="nodes, registry and control plane require it (default: PDC_CLUSTER_SECRET)")
+    ap.add_argument("--cluster-secret", help="nodes, registry and control plane require it (default: PDC_CLUSTER_SECRET, "
+                    "else one made for this run)")
+    ap.add_argument("--insecure", action="store_true", help="no cluster secret: nodes and registry answer anyone")
     args = ap.parse_args(argv)
     try:
         args.api_key = resolve_secret(args.api_key, None, envs.API_KEY, "--api-key")
         args.cluster_secret = resolve_secret(args.cluster_secret, None, envs.CLUSTER_SECRET, "--cluster-secret")
     except SecretError as exc:
         ap.error(str(exc))
+    if args.insecure and args.cluster_secret:
+        ap.error("--insecure runs without a cluster secret: drop one of them")
     if args.num_prefill < 1 or args.num_decode < 1:
         ap.error("--num-prefill and --num-decode must be >= 1")
     if args.demo and args.router == "none":
         ap.error("--demo sends its request through a router: drop --router none")
     return args
+
+
+def run_secret(run_dir: str) -> str:
+    """A new cluster secret, also written to ``run_dir/cluster-secret`` readable by its owner only."""
+    secret = secrets.token_hex(32)
+    path = os.path.join(run_dir, "cluster-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
 
 
 def tiny_model_dir() -> str:
@@ -81,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     model = args.model_path or tiny_model_dir()
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    cluster = LocalCluster(cluster_secret=args.cluster_secret, api_key=args.api_key)
+    run_dir = tempfile.mkdtemp(prefix="pdcluster-up-")  # 0700
+    secret = args.cluster_secret
+    if secret is None and not args.insecure:
+        secret = run_secret(run_dir)
+        print(f"cluster secret: made for this run, in {os.path.join(run_dir, 'cluster-secret')} (0600)", flush=True)
+    cluster = LocalCluster(cluster_secret=secret, api_key=args.api_key)
     router_args = ["--policy", args.policy] if args.router == "ours" else []
     try:
         url = cluster.start(model, backend=args.transfer_backend, page_size=args.page_size,
@@ -107,12 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         print("answer  :", json.dumps(out["choices"][0]["message"]["content"]) + note)
         print("usage   :", json.dumps(out.get("usage")))
         for n in cluster.nodes:
-            print(f"memory  : {n.name:<9}", json.dumps(get_json(n.url + "/debug/memory", headers=cluster.headers("node"))))
+            print(f"memory  : {n.name:<9}", json.dumps(get_json(n.url + "/debug/memory",
+                                                                                  headers=cluster.node_headers("GET", n.url + "/debug/memory"))))
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
         cluster.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from common.auth import signed_headers
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a tie float noise may break either way
 STARTUP_TIMEOUT_S = 120.0
@@ -110,8 +112,8 @@ def wait_healthy(nodes: list[Node], timeout_s: float = STARTUP_TIMEOUT_S) -> Non
             time.sleep(0.3)
 
 
-def memory(url: str, headers: dict[str, str] | None = None) -> dict:
-    r = httpx.get(url + "/debug/memory", timeout=10, headers=headers)
+def memory(url: str, secret: str | None = None) -> dict:
+    r = httpx.get(url + "/debug/memory", timeout=10, headers=signed_headers(secret, "GET", url + "/debug/memory"))
     r.raise_for_status()
     return r.json()
 
@@ -136,12 +138,12 @@ def is_idle(mem: dict) -> bool:
     return ok
 
 
-def wait_idle(url: str, timeout_s: float = IDLE_TIMEOUT_S, headers: dict[str, str] | None = None) -> dict:
+def wait_idle(url: str, timeout_s: float = IDLE_TIMEOUT_S, secret: str | None = None) -> dict:
     """Poll /debug/memory until the node holds nothing (bounded); returns the last report.
-    ``headers``: the cluster secret, for a node that requires it."""
+    ``secret``: the cluster secret, for a node that requires it (each poll gets its own token)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        mem = memory(url, headers)
+        mem = memory(url, secret)
         if is_idle(mem):
             return mem
         if time.monotonic() > deadline:

@@ -101,10 +101,11 @@ def test_a_client_with_the_key_is_served_exactly_and_strangers_are_refused(secur
                                  ("POST", s.decode + "/abort_request", {"abort_all": True}),
                                  ("POST", s.prefill + "/flush_cache", None), ("GET", s.decode + "/debug/memory", None),
                                  ("PUT", bootstrap + "/route", {"rank_ip": "10.6.6.6"}), ("GET", bootstrap + "/routes", None)]:
-        for headers in ({}, {"Authorization": f"Bearer {KEY}"}):  # the client key opens no node
+        # The client key opens no node, and neither does the bare secret: only request tokens do.
+        for headers in ({}, {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"Bearer {SECRET}"}):
             r = httpx.request(method, url, json=payload, headers=headers, timeout=10)
             assert r.status_code == 401, f"{method} {url} {headers}: {r.status_code} {r.text}"
-    routes = httpx.get(bootstrap + "/routes", headers=s.cluster.headers("node"), timeout=10).json()
+    routes = httpx.get(bootstrap + "/routes", headers=s.cluster.node_headers("GET", bootstrap + "/routes"), timeout=10).json()
     assert len(routes) == 1 and routes[0]["rank_ip"] == "127.0.0.1"  # the refused PUT changed nothing
 
     # A stranger on the prefill's control port: its unsealed Ping is dropped, not answered.
@@ -123,4 +124,4 @@ def test_a_client_with_the_key_is_served_exactly_and_strangers_are_refused(secur
         s.url + "/generate", json=body, headers=s.cluster.headers(), timeout=TIMEOUT_S).json()["output_ids"]
 
     for n in s.cluster.nodes:  # the leak check
-        wait_idle(n.url, headers=s.cluster.headers("node"))
+        wait_idle(n.url, secret=SECRET)

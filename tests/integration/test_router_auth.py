@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.integration.test_router_http import GEN, ok_decode, ok_prefill, router_over
+from tests.integration.test_router_http import GEN, Fake, ok_decode, ok_prefill, router_over
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -73,7 +73,12 @@ def test_the_cluster_secret_reaches_every_node_request_and_the_api_key_none() ->
                 paths = {p for p, _ in f.auth}
                 assert {"/health", "/get_load", "/flush_cache"} <= paths
                 assert {"/generate", "/v1/chat/completions"} <= paths
-                assert {a for _, a in f.auth} == {f"Bearer {SECRET}"}, f.auth
+                # The secret itself never travels: probes carry nothing, everything else a request
+                # token that the node accepts once (common/auth.py) and that names no secret.
+                assert {a for p, a in f.auth if p == "/health"} == {None}, f.auth
+                assert all(a is not None and a.startswith("PDC-HMAC ") and SECRET not in a and KEY not in a
+                           for p, a in f.auth if p != "/health"), f.auth
+                assert f.verdicts and all(why is None for _, why in f.verdicts), f.verdicts
 
     asyncio.run(body())
 
@@ -95,5 +100,30 @@ def test_a_node_refusing_the_cluster_secret_is_a_502_naming_it_not_the_clients_4
             assert status == 502, out
             assert "--cluster-secret" in out["error"]["message"]  # type: ignore[index]
             assert len(c.decodes[0].auth) > 0 and not c.decodes[0].received  # refused, and not retried forever
+
+    asyncio.run(body())
+
+
+def test_a_worker_that_cannot_prove_the_secret_is_sent_nothing_but_the_challenge() -> None:
+    """An endpoint of a stranger's, in the router's worker list (added by mistake, or an address
+    taken over): it sees only ``GET /health?challenge=...`` without credentials; no prompt, no
+    token, no fan-out, and it never enters rotation."""
+    async def body() -> None:
+        stranger = await Fake(ok_decode).start()  # no secret: cannot answer the challenge
+        try:
+            async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--cluster-secret", SECRET,
+                                   "--decode", stranger.url, headers=GOOD) as c:
+                await asyncio.sleep(0.5)  # several probe rounds
+                for _ in range(4):
+                    assert (await c.post("/generate", GEN))[0] == 200
+                assert (await c.post("/flush_cache", {}))[0] == 502  # the stranger was not sent it: not all ok
+                async with c.session.get(c.url + "/dashboard/data") as r:
+                    assert r.status == 200
+                info = (await c.workers())[stranger.url]
+                assert info["healthy"] is False and "prove the cluster secret" in info["last_error"]
+                assert stranger.auth and {(p, a) for p, a in stranger.auth} == {("/health", None)}, stranger.auth
+                assert not stranger.received and not stranger.other
+        finally:
+            await stranger.stop()
 
     asyncio.run(body())

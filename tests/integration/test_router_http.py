@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from common.auth import PROOF_HEADER, RequestVerifier, proof
 from router.app import create_app
 from router.config import parse_config
 
@@ -54,10 +55,14 @@ class Fake:
     other: list[str] = field(default_factory=list)  # paths of non-generation POSTs
     auth: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Authorization) of every request
     status: int = 200  # what every route but /health answers (401: a node refusing our credentials)
+    secret: str | None = None  # a node of a secured cluster: answers the router's challenge, checks tokens
+    verdicts: list[tuple[str, str | None]] = field(default_factory=list)  # (path, why its token was refused | None)
     url: str = ""
     runner: web.AppRunner | None = None
 
     async def start(self) -> Fake:
+        verifier = RequestVerifier(self.secret) if self.secret else None
+
         async def gen(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             self.received.append(body)
@@ -67,8 +72,10 @@ class Fake:
                 self.closed.set()
                 raise
 
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({}, status=self.health)
+        async def health(request: web.Request) -> web.Response:
+            challenge = request.query.get("challenge")
+            headers = {PROOF_HEADER: proof(self.secret, challenge)} if self.secret and challenge else None
+            return web.json_response({}, status=self.health, headers=headers)
 
         async def load(_: web.Request) -> web.Response:
             return web.json_response([{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}])
@@ -80,6 +87,9 @@ class Fake:
         @web.middleware
         async def record_auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
             self.auth.append((request.path, request.headers.get("Authorization")))
+            if verifier is not None and request.path != "/health":
+                self.verdicts.append((request.path, verifier.check(request.headers.get("Authorization"), request.method,
+                                                                   request.raw_path, await request.read())))
             if self.status != 200 and request.path != "/health":
                 return web.json_response({"error": {"message": "refused", "code": self.status}}, status=self.status)
             return await handler(request)
@@ -133,10 +143,11 @@ async def router_over(prefills: list[Handler], decodes: list[Handler], *flags: s
     what the test's client session sends on every request (an API key)."""
     fakes: list[Fake] = []
     runner: web.AppRunner | None = None
+    secret = flags[flags.index("--cluster-secret") + 1] if "--cluster-secret" in flags else None
     session = aiohttp.ClientSession(headers=headers)
     try:
-        ps = [await Fake(h).start() for h in prefills]
-        ds = [await Fake(h).start() for h in decodes]
+        ps = [await Fake(h, secret=secret).start() for h in prefills]
+        ds = [await Fake(h, secret=secret).start() for h in decodes]
         fakes = ps + ds
         argv = ["--health-check-interval-s", "0.1", "--load-poll-interval-s", "0.1", *flags]
         for i, p in enumerate(ps):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from bootstrap_server.client import deregister, list_ranks, lookup_layout, looku
 from bootstrap_server.errors import BootstrapError
 from bootstrap_server.server import BootstrapServer
 from common import envs
-from common.auth import SecretError, bearer_matches, resolve_secret
+from common.auth import (PROOF_HEADER, RequestSigner, RequestVerifier, SecretError, bearer_matches, new_challenge,
+                         proof_matches, resolve_secret, signed_headers)
 from common.config import ConfigError
 from common.server.app import create_app
 from common.server.config import ApiConfig
@@ -125,9 +127,10 @@ class RecordingScheduler:
         self.calls.append(f"abort {rid}")
 
 
-def _node(secret: str | None) -> tuple[TestClient, RecordingScheduler]:
+def _node(secret: str | None, accept_bearer: bool = False) -> tuple[TestClient, RecordingScheduler]:
     sched = RecordingScheduler()
-    cfg = ApiConfig(role="prefill", model_path="/m", context_length=64, cluster_secret=secret)
+    cfg = ApiConfig(role="prefill", model_path="/m", context_length=64, cluster_secret=secret,
+                    accept_bearer_secret=accept_bearer)
     return TestClient(create_app(cfg, sched, None)), sched  # type: ignore[arg-type]  # no tokenizer: never reached
 
 
@@ -138,20 +141,87 @@ NODE_ROUTES = [("POST", "/abort_request", {"rid": "r1"}), ("POST", "/flush_cache
                ("GET", "/openapi.json", None)]
 
 
+def _signed(method: str, path: str, body: object = None, secret: str = SECRET) -> dict:
+    """``client.request`` arguments with a request token over exactly the bytes sent."""
+    raw = b"" if body is None else json.dumps(body).encode()
+    return {"method": method, "url": path, "content": raw,
+            "headers": {"Content-Type": "application/json", **signed_headers(secret, method, path, raw)}}
+
+
 def test_a_node_with_a_secret_refuses_every_route_but_health_without_it() -> None:
     client, sched = _node(SECRET)
     for method, path, body in NODE_ROUTES:
-        for headers in ({}, {"Authorization": "Bearer wrong-secret-0123456789ab"}, {"Authorization": SECRET}):
+        for headers in ({}, {"Authorization": "Bearer wrong-secret-0123456789ab"}, {"Authorization": SECRET},
+                        AUTH):  # the bare secret as a bearer token too: it must never have to travel
             r = client.request(method, path, json=body, headers=headers)
             assert r.status_code == 401, f"{method} {path} {headers}: {r.status_code} {r.text}"
             assert r.json()["error"]["type"] == "AuthenticationError" and r.headers["www-authenticate"].startswith("Bearer")
+        wrong = _signed(method, path, body, secret="wrong-secret-0123456789abcdef")
+        assert client.request(**wrong).status_code == 401, f"{method} {path} with another secret's token"
     assert sched.calls == []  # nothing refused reached the scheduler: no abort, no flush
     assert client.get("/health").status_code == 200
-    r = client.post("/abort_request", json={"rid": "r1"}, headers=AUTH)
+    r = client.request(**_signed("POST", "/abort_request", {"rid": "r1"}))
     assert r.status_code == 200 and r.json() == {"aborted": ["r1"]}
-    assert client.post("/flush_cache", headers=AUTH).json()["success"] is True
-    assert client.get("/debug/memory", headers=AUTH).status_code == 200
+    assert client.request(**_signed("POST", "/flush_cache")).json()["success"] is True
+    assert client.request(**_signed("GET", "/debug/memory")).status_code == 200
     assert sched.calls == ["is_inflight r1", "abort r1", "flush_cache", "memory"]
+
+
+def test_a_request_token_is_good_for_its_own_request_once() -> None:
+    """What a recording endpoint could do with a token it saw: replay it as is, on another path,
+    with another body or method: all refused, and the scheduler never asked."""
+    client, sched = _node(SECRET)
+    seen = _signed("POST", "/abort_request", {"rid": "r1"})
+    assert client.request(**seen).status_code == 200
+    sched.calls.clear()
+    tampered = [seen,  # the same request again
+                {**seen, "content": json.dumps({"abort_all": True}).encode()},  # another body
+                {**seen, "url": "/flush_cache"},  # another path
+                {**seen, "url": "/abort_request?x=1"},  # another query
+                {**seen, "method": "PUT"}]  # another method
+    for req in tampered:
+        assert client.request(**req).status_code == 401, req
+    assert sched.calls == []
+
+
+def test_request_tokens_expire_and_malformed_ones_are_refused() -> None:
+    verifier = RequestVerifier(SECRET, window_s=60)
+    signer = RequestSigner(SECRET)
+    old = signer.authorization("GET", "/get_load", b"", now=time.time() - 120)
+    assert "expired" in (verifier.check(old, "GET", "/get_load") or "")
+    future = signer.authorization("GET", "/get_load", b"", now=time.time() + 120)
+    assert "expired" in (verifier.check(future, "GET", "/get_load") or "")
+    for header in ("PDC-HMAC", "PDC-HMAC ts=1,nonce=x,mac=y", "PDC-HMAC ts=abc,nonce=0123456789abcdef01,mac=" + "0" * 64,
+                   "Digest x", "PDC-HMAC ,,,,", "PDC-HMAC ts=1=2,nonce==,mac"):
+        assert verifier.check(header, "GET", "/get_load") is not None, header
+    assert verifier.check(signer.authorization("GET", "/get_load"), "GET", "/get_load") is None
+
+
+def test_the_nonce_memory_is_bounded() -> None:
+    verifier = RequestVerifier(SECRET, max_nonces=10)
+    signer = RequestSigner(SECRET)
+    for _ in range(50):
+        assert verifier.check(signer.authorization("GET", "/x"), "GET", "/x") is None
+    assert len(verifier._seen) <= 10
+
+
+def test_the_bare_secret_is_taken_only_where_sglang_router_needs_it() -> None:
+    client, sched = _node(SECRET, accept_bearer=True)
+    assert client.post("/abort_request", json={"rid": "r1"}, headers=AUTH).status_code == 200
+    assert client.post("/abort_request", json={"rid": "r1"},
+                       headers={"Authorization": "Bearer wrong-secret-0123456789ab"}).status_code == 401
+    assert client.request(**_signed("POST", "/flush_cache")).status_code == 200  # tokens still work
+
+
+def test_health_proves_the_secret_to_a_challenger_and_to_no_one_else() -> None:
+    client, _ = _node(SECRET)
+    challenge = new_challenge()
+    r = client.get(f"/health?challenge={challenge}")
+    assert r.status_code == 200 and proof_matches(SECRET, challenge, r.headers.get(PROOF_HEADER))
+    assert not proof_matches("wrong-secret-0123456789abcdef", challenge, r.headers.get(PROOF_HEADER))
+    assert PROOF_HEADER.lower() not in {k.lower() for k in client.get("/health").headers}  # no challenge: no proof
+    open_client, _ = _node(None)
+    assert PROOF_HEADER.lower() not in {k.lower() for k in open_client.get(f"/health?challenge={challenge}").headers}
 
 
 def test_a_node_without_a_secret_is_open_as_before() -> None:

@@ -3,11 +3,13 @@ router its API key) from the Secret, and the NetworkPolicies admit exactly the r
 other nodes to a node's ports. Renders the overlays with the helpers of test_deploy_manifests.py."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.unit.test_deploy_manifests import OVERLAYS, Rendered, _render
+from common.auth import SecretError, check_secret
+from tests.unit.test_deploy_manifests import K8S, OVERLAYS, Rendered, _render
 
 def _secret_ref(r: Rendered, c: dict, var: str) -> tuple[str, str]:
     """(Secret name, key) that env ``var`` of container ``c`` reads; the Secret must have that key."""
@@ -87,3 +89,14 @@ def test_network_policy_admits_only_the_router_and_the_other_nodes(overlay: Path
     assert any(_selects(peer["podSelector"], router) for rule in rules for peer in rule["from"])
     assert any(all(_selects(peer["podSelector"], lab) for lab in node_labels.values()) and "ports" not in rule
                for rule in rules for peer in rule["from"]), "prefill and decode must reach each other on any port"
+
+
+def test_the_base_ships_no_usable_secret() -> None:
+    """The base's pdcluster-auth values are public placeholders: a pod started with one refuses
+    to start (exit 2 naming the variable), instead of running with a secret everyone knows."""
+    text = (K8S / "base" / "kustomization.yaml").read_text()
+    values = re.findall(r"^\s+- (?:cluster-secret|api-key)=(\S+)$", text, re.M)
+    assert len(values) == 2, values
+    for value in values:
+        with pytest.raises(SecretError, match="placeholder"):
+            check_secret(value, "PDC_CLUSTER_SECRET")

@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 from urllib.parse import urlsplit
 
 import pytest
@@ -115,7 +117,10 @@ def _parse_node(role: str, argv: list[str]) -> argparse.Namespace:
         raise AssertionError(f"pdcluster {role} rejects the manifest's args {argv}") from exc
     # What the launcher builds from the flags, minus the parts that need the model on disk.
     cache_config(ns, enable_prefix_cache=True).validate()
-    transfer_config(ns).validate()
+    # The pod reads its secret from the pdcluster-auth Secret, which an overlay fills with a real
+    # value (the base's placeholders are refused: test_deploy_access.py); stand one in here.
+    with mock.patch.dict(os.environ, {"PDC_CLUSTER_SECRET": "an-overlay-secret-0123456789abcdef"}):
+        transfer_config(ns).validate()
     server_config(ns).validate()
     attention_config(ns).validate()
     return ns

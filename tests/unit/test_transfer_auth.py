@@ -22,7 +22,7 @@ from tests.unit.transfer_harness import (  # noqa: F401  (cluster is a fixture)
 )
 from transfer import messages as m
 from transfer import wire
-from transfer.control_auth import TAG_BYTES, ControlAuth
+from transfer.control_auth import OVERHEAD, TAG_BYTES, ControlAuth
 from transfer.errors import TransferError
 from transfer.poll import KVPoll
 from transfer.prefill import PrefillKVManager
@@ -74,8 +74,10 @@ def _pull(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
 def test_seal_and_open_round_trip_and_refuse_anything_else() -> None:
     auth = ControlAuth(SECRET)
     frame = auth.seal(b"payload")
-    assert len(frame) == len(b"payload") + TAG_BYTES and auth.open(frame) == b"payload"
+    assert len(frame) == len(b"payload") + OVERHEAD and OVERHEAD > TAG_BYTES
     assert ControlAuth(SECRET + "x").open(frame) is None  # another secret
+    assert auth.open(frame) == b"payload"
+    assert auth.open(frame) is None  # the same frame again: a replay
     assert auth.open(b"payload") is None  # no tag
     assert auth.open(frame[:-1] + bytes([frame[-1] ^ 1])) is None  # one bit off
     assert auth.open(b"X" + frame[1:]) is None  # payload changed under the tag
@@ -83,6 +85,22 @@ def test_seal_and_open_round_trip_and_refuse_anything_else() -> None:
     assert SECRET not in repr(auth)
     with pytest.raises(ValueError):
         ControlAuth("")
+
+
+def test_a_recorded_frame_is_refused_again_and_after_the_window() -> None:
+    """What an attacker on the pod network could record (an AbortRoom, a TransferInfo) is worth
+    nothing later: within the window its nonce was seen, after it its stamp is too old."""
+    sender, receiver = ControlAuth(SECRET), ControlAuth(SECRET, window_s=60)
+    abort = m.encode(m.AbortRoom(room=7, session_id="s", status_endpoint="tcp://127.0.0.1:1", reason="x"))
+    fresh = sender.seal(abort)
+    assert receiver.open(fresh) == abort and receiver.open(fresh) is None
+    old = sender.seal(abort, now=time.time() - 61)
+    ahead = sender.seal(abort, now=time.time() + 61)
+    assert receiver.open(old) is None and receiver.open(ahead) is None
+    bounded = ControlAuth(SECRET, max_nonces=8)
+    for _ in range(40):
+        assert bounded.open(sender.seal(b"ping")) == b"ping"
+    assert len(bounded._seen) <= 8
 
 
 def test_secured_managers_transfer_and_give_the_registry_their_secret(secure: Cluster) -> None:
