@@ -47,6 +47,10 @@ class DecodePart:
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: DecodeKVManager) -> tuple[DecodeScheduler, DecodeStats]:
         s, memory = self.sched, runner.memory
+        if self.transfer.backend != "fake":  # the fake backend moves no bytes: nothing to check
+            from common.engine.model_runner import page_digests
+
+            memory.digests = page_digests(runner, self.transfer.cluster_secret)
         bcfg = DecodeBudgetConfig(
             page_size=memory.page_size, total_pages=memory.allocator.num_total,
             reserved_decode_tokens=s.reserved_decode_tokens, ratio_init=s.new_token_ratio_init,

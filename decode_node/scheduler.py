@@ -172,6 +172,13 @@ class DecodeScheduler:
                 if self.cfg.check_aux_room and rec.room != r.room:
                     self._fail(r, 500, f"{r.label()}: the aux row holds room {rec.room}, not ours")
                     continue
+                if not self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest):
+                    # Not the KV the prefill computed (a write through the data plane, or a
+                    # corrupted transfer): never decode from it. 502: the router may retry.
+                    self._fail(r, 502, f"{r.label()}: KV integrity check failed: the pages that arrived "
+                                       "differ from what the prefill computed (see /metrics "
+                                       "pdc_scheduler_kv_integrity_failures_total)")
+                    continue
                 self.aux.free(r.aux_slot)
                 r.aux_slot, r.receiver = None, None
                 r.kv.kv_len = len(r.prompt)

@@ -76,6 +76,7 @@ class DecodeStats:
             "gen_throughput": self.throughput.rate(),
             "new_token_ratio": s.ratio.value,
             **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()},
+            "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
         }
 
     def _fenced(self) -> dict[str, int]:

@@ -52,6 +52,9 @@ class PrefillPart:
             aux_top_k=self.transfer.aux_top_k,
             context_len=runner.context_length,
         )
+        from common.engine.model_runner import page_digests
+
+        runner.memory.digests = page_digests(runner, self.transfer.cluster_secret)  # checked before cache reuse
         scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg)
         return scheduler, PrefillStats(scheduler, manager.num_rooms)
 

@@ -230,8 +230,9 @@ def pages_to_send(req: PrefillReq, last: bool, page_size: int) -> tuple[list[int
     return kv.pages[req.sent_pages : upto], upto
 
 
-def aux_record(req: PrefillReq, tok: SampledToken, top_k: int) -> AuxRecord:
-    """What the decode needs besides the KV: the first token, its logprobs, the cache hit."""
+def aux_record(req: PrefillReq, tok: SampledToken, top_k: int, kv_digest: bytes = b"") -> AuxRecord:
+    """What the decode needs besides the KV: the first token, its logprobs, the cache hit, and
+    the digest of the KV it is about to receive (common/kvcache/page_digest.py)."""
     top = tok.top_logprobs[:top_k]
     return AuxRecord(
         room=req.room or 0,
@@ -240,6 +241,7 @@ def aux_record(req: PrefillReq, tok: SampledToken, top_k: int) -> AuxRecord:
         logprob=tok.logprob if tok.logprob is not None else 0.0,
         top_ids=tuple(i for i, _ in top),
         top_logprobs=tuple(lp for _, lp in top),
+        kv_digest=kv_digest,
     )
 
 

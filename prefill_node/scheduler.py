@@ -10,7 +10,8 @@ Lifecycle of one request (queues are FIFO lists in ``PrefillQueues``; every arro
                              (goes first next step)                 |  every chunk: its finished pages
                                                                     |  -> sender.send (non-blocking)
                                                                     |  last chunk: first token sampled,
-                                                                    v  aux (token, logprobs, cached) too
+                                                                    v  aux (token, logprobs, cached,
+                                                                       the KV's digest) too
                                                                  inflight --poll: Success/Failed--> release, reply
                                                                     (no terminal state within
                                                                      transfer_timeout_s: sender.abort)
@@ -270,6 +271,7 @@ class PrefillScheduler:
                 assert req.kv is not None
                 if req.kv.kv_len == req.kv.num_cached:
                     self.counters.cached_tokens += req.kv.num_cached
+                self.memory.written(req.kv, req.kv.kv_len, req.kv.kv_len + n, req.kv.kv_len + n == req.prompt_len)
                 req.kv.kv_len += n
                 self.counters.prompt_tokens += n
                 last = req.kv.kv_len == req.prompt_len
@@ -292,7 +294,9 @@ class PrefillScheduler:
         pages, upto = pages_to_send(req, last, self.memory.page_size)
         if not pages and not last:
             return True
-        aux = aux_record(req, req.first, self.cfg.aux_top_k) if last and req.first is not None else None
+        aux = None
+        if last and req.first is not None:
+            aux = aux_record(req, req.first, self.cfg.aux_top_k, self.memory.room_digest(kv, req.prompt_len))
         try:
             # A hybrid model's recurrent state is final only after the last chunk; it goes with it.
             state = [kv.state_slot] if last and kv.state_slot is not None else []

@@ -75,6 +75,7 @@ class PrefillStats:
             "cached_tokens_total": float(c.cached_tokens),
             "forward_seconds_total": c.forward_s,
             "forwards_total": float(c.forwards),
+            "kv_integrity_failures_total": float(mem.digests.failures if mem.digests is not None else 0),
         }
 
     def flush_cache(self) -> tuple[bool, str]:

@@ -5,10 +5,11 @@ whole record with a single descriptor::
 
     rows: uint8 [num_slots, row_nbytes]      (CPU; registered with the data plane)
     row = | room i64 | token_id i64 | cached_tokens i64 | logprob f32 | num_top i32 |
-          | top_ids i64 [K] | top_logprobs f32 [K] | padding to 8 bytes |
+          | kv_digest u8 [16] | top_ids i64 [K] | top_logprobs f32 [K] | padding to 8 bytes |
 
 ``room`` lets the decode check that the row it reads was written for its room, not left over
-from the previous owner of the slot. K (``top_k``) is part of the layout both sides must agree on.
+from the previous owner of the slot. ``kv_digest`` is the prefill's keyed digest of the prompt's
+KV (common/kvcache/page_digest.py), which the decode checks the arrived pages against. K (``top_k``) is part of the layout both sides must agree on.
 """
 from __future__ import annotations
 
@@ -28,23 +29,29 @@ class AuxRecord:
     logprob: float = 0.0  # logprob of token_id
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = field(default=())
+    kv_digest: bytes = b""  # 16 bytes when the prefill digests its KV, else empty
 
 
 # Top logprobs of the first token carried in an aux row. Part of the wire layout: prefill and
 # decode must use the same value (checked when the decode registers its KV args).
 AUX_TOP_K = 20
+KV_DIGEST_BYTES = 16  # common/kvcache/page_digest.py DIGEST_BYTES (transfer/ may not import common/kvcache)
 
 
 def aux_row_dtype(top_k: int) -> np.dtype:
     fields = [
         ("room", "<i8"), ("token_id", "<i8"), ("cached_tokens", "<i8"),
-        ("logprob", "<f4"), ("num_top", "<i4"),
+        ("logprob", "<f4"), ("num_top", "<i4"), ("kv_digest", "u1", (KV_DIGEST_BYTES,)),
         ("top_ids", "<i8", (top_k,)), ("top_logprobs", "<f4", (top_k,)),
     ]
     dt = np.dtype(fields)
     pad = (-dt.itemsize) % 8
     return np.dtype({"names": dt.names, "formats": [dt.fields[n][0] for n in dt.names],
                      "offsets": [dt.fields[n][1] for n in dt.names], "itemsize": dt.itemsize + pad})
+
+
+def _digest_or_empty(raw: bytes) -> bytes:
+    return raw if any(raw) else b""  # all zeros: the prefill sent none (a real one is never zero)
 
 
 class AuxPool:
@@ -93,6 +100,9 @@ class AuxPool:
         row = self._view[slot]
         row["room"], row["token_id"], row["cached_tokens"] = rec.room, rec.token_id, rec.cached_tokens
         row["logprob"], row["num_top"] = rec.logprob, n
+        if len(rec.kv_digest) not in (0, KV_DIGEST_BYTES):
+            raise ValueError(f"aux record kv_digest has {len(rec.kv_digest)} bytes, expected {KV_DIGEST_BYTES} or 0")
+        row["kv_digest"][:] = np.frombuffer(rec.kv_digest.ljust(KV_DIGEST_BYTES, b"\0"), dtype=np.uint8)
         row["top_ids"][:] = 0
         row["top_logprobs"][:] = 0
         row["top_ids"][:n] = rec.top_ids
@@ -105,6 +115,7 @@ class AuxPool:
             room=int(row["room"]), token_id=int(row["token_id"]), cached_tokens=int(row["cached_tokens"]),
             logprob=float(row["logprob"]), top_ids=tuple(int(x) for x in row["top_ids"][:n]),
             top_logprobs=tuple(float(x) for x in row["top_logprobs"][:n]),
+            kv_digest=_digest_or_empty(row["kv_digest"].tobytes()),
         )
 
     def buffers(self) -> BufferSet:

@@ -16,6 +16,7 @@ from common.attention.base import AttentionBackend
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.kvcache.allocator import PageAllocator
+from common.kvcache.page_digest import PageDigests, digest_key
 from common.kvcache.pool import RESERVED_PAGES, KVPool
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
@@ -58,6 +59,12 @@ def create_attention_backend(cfg: AttentionConfig, device: str) -> AttentionBack
 
         return FlashInferAttentionBackend(device)
     raise ConfigError(f"unknown attention backend {name!r}")
+
+
+def page_digests(runner: ModelRunner, secret: str | None) -> PageDigests:
+    """Digests over the runner's KV pool, keyed for its cluster (common/kvcache/page_digest.py)."""
+    pool = runner.kv_pool
+    return PageDigests(pool.buffers(), pool.page_size, pool.num_pages, digest_key(secret))
 
 
 class ModelRunner:

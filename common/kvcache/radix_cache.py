@@ -262,6 +262,36 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
+    def discard_after(self, token_ids: Sequence[int], num_pages: int) -> int:
+        """Drop the cached branch that continues ``token_ids[: num_pages * page_size]`` along
+        ``token_ids`` (the edge starting at page ``num_pages`` and everything below it), unless a
+        lock pins part of it (then it stays until unlocked and evicted). Pages freed."""
+        ps = self.page_size
+        if not self.enabled or len(token_ids) < (num_pages + 1) * ps:
+            return 0
+        head = self.match_prefix(token_ids, max_tokens=num_pages * ps)  # splits so head.node ends there
+        if head.num_tokens != num_pages * ps:
+            return 0
+        child = head.node.children.get(tuple(token_ids[num_pages * ps : (num_pages + 1) * ps]))
+        if child is None:
+            return 0
+        branch, stack = [], [child]
+        while stack:
+            node = stack.pop()
+            branch.append(node)
+            stack.extend(node.children.values())
+        if any(n.lock_ref for n in branch):
+            return 0
+        del head.node.children[self._edge_key(child.key)]
+        pages = [p for n in branch for p in n.pages]
+        self.allocator.free(pages)
+        for page in pages:
+            self._owned[page] = 0
+        for n in branch:
+            n.evicted = True
+        self._total -= len(pages)
+        return len(pages)
+
     def reset(self) -> bool:
         """Drop every cached page (``/flush_cache``). Refused (False) while any lock is held."""
         nodes = list(self._nodes())

@@ -11,22 +11,32 @@ Hybrid models also give each request a recurrent-state slot (``state_pool.py``),
 ``admit`` with the row and freed in ``release`` with it; ``row_state[row]`` maps a row to its slot
 for the forward pass.
 
+With ``digests`` (common/kvcache/page_digest.py) a cached prefix is trusted only while its pages
+still hold what our forward wrote: ``admit`` checks the matched pages, drops the cached branch
+from the first page that changed and matches again short of it (the request recomputes the
+rest); ``written`` records the pages a forward completed; ``room_digest`` is what the decode
+checks the arrived KV against.
+
 Every path ends in exactly one ``release`` (finish, abort, failure); a second one is a bug and
 raises. Capacity that a scheduler may plan with is ``available_pages()``: free pages plus
 pages the cache could evict.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from common.kvcache.allocator import KVAccountingError, PageAllocator, pages_to_slots
+from common.kvcache.page_digest import PageDigests
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.radix_node import RadixNode
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,7 +52,7 @@ class ReqKV:
 
 class KVMemory:
     def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, cache: RadixCache, page_size: int,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, digests: PageDigests | None = None) -> None:
         if states is not None and cache.enabled:
             # A cached prefix has KV but no state for its last token: a hit would skip the state.
             raise ValueError("the prefix cache cannot serve a model with recurrent state")
@@ -51,6 +61,7 @@ class KVMemory:
         self.cache = cache
         self.page_size = page_size
         self.states = states
+        self.digests = digests
         self.row_state = torch.zeros(req_to_token.max_reqs, dtype=torch.int64, device=req_to_token.device)  # [R]
 
     # -- capacity ---------------------------------------------------------------------------
@@ -82,6 +93,16 @@ class KVMemory:
             self.row_state[row] = slot
         if use_cache:
             match = self.cache.match_prefix(token_ids, max_tokens=len(token_ids) - 1)
+            bad = None if self.digests is None else self.digests.first_mismatch(match.pages)
+            if bad is not None:
+                # A cached page no longer holds what our forward wrote (a write through the data
+                # plane): never serve it. Its branch goes; the request recomputes from there.
+                assert self.digests is not None
+                self.digests.failures += 1
+                log.warning("prefix cache: page %d (position %d) changed after it was cached; dropping its "
+                            "branch and recomputing", match.pages[bad], bad * self.page_size)
+                self.cache.discard_after(token_ids, bad)
+                match = self.cache.match_prefix(token_ids, max_tokens=min(len(token_ids) - 1, bad * self.page_size))
         else:
             match = self.cache.match_prefix([], max_tokens=0)
         self.cache.inc_lock(match.node)
@@ -109,6 +130,28 @@ class KVMemory:
         req.pages.extend(new)
         self._write_row(req, start_page, new)
         return True
+
+    def written(self, req: ReqKV, start: int, end: int, final: bool) -> None:
+        """A forward wrote positions ``[start, end)``: record the digests of the pages it completed
+        (with ``final``, the partly filled last page too). A no-op without digests."""
+        if self.digests is None or end <= start:
+            return
+        ps = self.page_size
+        first, full = start // ps, end // ps
+        pages = req.pages[first:full]
+        if pages:
+            self.digests.record(pages)
+        if final and end % ps:
+            self.digests.record([req.pages[full]], valid_last=end % ps)
+
+    def room_digest(self, req: ReqKV, num_tokens: int) -> bytes:
+        """The digest of the request's first ``num_tokens`` tokens of KV (b"" without digests)."""
+        return b"" if self.digests is None else self.digests.room_digest(req.pages, num_tokens)
+
+    def arrived_intact(self, req: ReqKV, num_tokens: int, expected: bytes) -> bool:
+        """Whether the KV that arrived for ``num_tokens`` tokens is what the prefill digested
+        (True without digests here)."""
+        return self.digests is None or self.digests.arrived_intact(req.pages, num_tokens, expected)
 
     def slots(self, req: ReqKV, start: int, end: int) -> torch.Tensor:
         """KV slots of positions [start, end). [end-start] int64."""
@@ -154,7 +197,7 @@ class KVMemory:
             "used_pages": self.allocator.num_total - self.allocator.num_free - self.cache.total_pages(),
             "total_req_slots": self.req_to_token.max_reqs,
             "free_req_slots": self.req_to_token.num_free,
-        }
+        } | ({} if self.digests is None else {"kv_integrity_failures": self.digests.failures})
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -167,7 +167,8 @@ def test_scattered_pages_and_aux_land(children: list[Child], backend: str) -> No
     chunks_dst = [[10, 11, 12, 13], [50, 51, 3]]
     handshake(p, d, room=41, dst_pages=sum(chunks_dst, []), aux_slot=2)
     p.call("send", 41, chunks_src[0], False, None)
-    aux = dict(room=0, token_id=123, cached_tokens=8, logprob=-0.5, top_ids=(123, 4), top_logprobs=(-0.5, -1.5))
+    aux = dict(room=0, token_id=123, cached_tokens=8, logprob=-0.5, top_ids=(123, 4), top_logprobs=(-0.5, -1.5),
+               kv_digest=bytes(range(101, 117)))  # the KV's digest travels in the row too
     p.call("send", 41, chunks_src[1], True, aux)
     assert p.wait(41, {"Success"}, timeout=10)[0] == "Success"
     assert d.wait(41, {"Success"}, timeout=10)[0] == "Success"

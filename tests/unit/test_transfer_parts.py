@@ -72,6 +72,11 @@ def test_aux_pool_roundtrip_slots_and_layout() -> None:
     rec = AuxRecord(room=2**63 - 1, token_id=42, cached_tokens=16, logprob=-0.25, top_ids=(42, 7), top_logprobs=(-0.25, -2.0))
     pool.write(slots[1], rec)
     assert pool.read(slots[1]) == rec
+    digested = AuxRecord(room=5, token_id=1, cached_tokens=0, kv_digest=bytes(range(1, 17)))
+    pool.write(slots[2], digested)
+    assert pool.read(slots[2]) == digested
+    with pytest.raises(ValueError):
+        pool.write(slots[2], AuxRecord(room=5, token_id=1, cached_tokens=0, kv_digest=b"short"))
     assert pool.read(slots[0]).token_id == 0  # rows are independent
     assert pool.row_nbytes % 8 == 0 and pool.rows.shape == (3, pool.row_nbytes)
     with pytest.raises(ValueError):

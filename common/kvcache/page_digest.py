@@ -1,0 +1,112 @@
+"""Keyed digests of KV pages: notice K/V bytes that our own forward did not write.
+
+The data plane cannot authenticate writers: anyone who reaches a node's Mooncake port and knows
+a registered buffer's address can write into its KV pool. So the nodes check what they are
+about to trust instead of who wrote it::
+
+    prefill, after each forward    digest every page the chunk completed (and the prompt's
+                                   partial last page): ``record``
+    prefill, prefix-cache hit      the matched pages must still have their digests
+                                   (``first_mismatch``); from the first that does not, the cached
+                                   branch is dropped and the prompt is recomputed from there
+    prefill, last chunk            the room's digest, over the recorded page digests in order
+                                   (``room_digest``), travels in the aux row
+    decode, transfer Success       digest what arrived and compare (``arrived_intact``); a
+                                   mismatch fails the request (the router retries it elsewhere)
+
+A write landing between our forward and the transfer's read is caught at the decode (what
+arrived is not what we computed), as is one into the decode's pages while they are written.
+
+Digest: HMAC-SHA256 truncated to 128 bits. Keyed, because CRC-like sums can be forged by whoever
+reads the page and writes it back with a fix-up; a keyed MAC cannot without the key, which never
+leaves the process memory (it is not in any registered buffer). SHA-256 rather than BLAKE2b:
+OpenSSL runs it on the CPU's SHA extensions, 2.3x BLAKE2b's speed on this project's machines. The
+key is derived from the cluster secret, which prefill and decode share; without a secret it is a
+public constant, and the check still catches stray and garbage writes but not a forger who knows
+this code. Cost: one pass over every KV byte per role (docs/BENCHMARKS.md).
+On CUDA the pages are copied to the host first (a device-side digest is future work).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+DIGEST_BYTES = 16
+_KEY_CONTEXT = b"pdcluster/kv-digest/v1"
+_OPEN_KEY = b"pdcluster/kv-digest/open-v1"
+
+
+def digest_key(secret: str | None) -> bytes:
+    """The key both roles of one cluster use (their shared secret's, else a public constant)."""
+    return hmac.new(secret.encode(), _KEY_CONTEXT, hashlib.sha256).digest() if secret else _OPEN_KEY
+
+
+class PageDigests:
+    """Digests of the pages of one KV pool (``buffers``: every layer's K and V tensor, each
+    ``[num_pages * page_size, ...]``), one slot per page id."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], page_size: int, num_pages: int, key: bytes) -> None:
+        self.page_size = page_size
+        self._key = key
+        self._buffers = list(buffers)
+        self._host = all(b.device.type == "cpu" for b in self._buffers)
+        # Host buffers as [slots, bytes per slot] uint8 views sharing memory: hashed without a copy.
+        self._views = [b.view(torch.uint8).reshape(b.shape[0], -1).numpy() for b in self._buffers] if self._host else []
+        self._table = np.zeros((num_pages, DIGEST_BYTES), dtype=np.uint8)
+        self._known = np.zeros(num_pages, dtype=bool)
+        self.failures = 0  # mismatches found, for /metrics
+
+    def compute(self, page: int, valid: int | None = None) -> bytes:
+        """The digest of the first ``valid`` (default: all) token slots of ``page`` as they are now."""
+        start = page * self.page_size
+        end = start + (self.page_size if valid is None else valid)
+        h = hmac.new(self._key, np.int64(valid if valid is not None else self.page_size).tobytes(), hashlib.sha256)
+        if self._host:
+            for view in self._views:
+                h.update(view[start:end])
+        else:
+            for buf in self._buffers:
+                h.update(buf[start:end].view(torch.uint8).cpu().numpy())
+        return h.digest()[:DIGEST_BYTES]
+
+    def record(self, pages: Sequence[int], valid_last: int | None = None) -> None:
+        """Digest ``pages`` as our forward just wrote them (``valid_last``: tokens in the last one
+        when it is partly filled)."""
+        for i, page in enumerate(pages):
+            valid = valid_last if i == len(pages) - 1 else None
+            self._table[page] = np.frombuffer(self.compute(page, valid), dtype=np.uint8)
+            self._known[page] = True
+
+    def first_mismatch(self, pages: Sequence[int]) -> int | None:
+        """Index in ``pages`` of the first full page whose bytes are not what was recorded (or that
+        has no record), None when all match."""
+        for i, page in enumerate(pages):
+            if not self._known[page] or self.compute(page) != self._table[page].tobytes():
+                return i
+        return None
+
+    def room_digest(self, pages: Sequence[int], num_tokens: int) -> bytes:
+        """The digest of a prompt's KV (``num_tokens`` tokens on ``pages``, in order) from the
+        recorded page digests: no page is read again."""
+        h = hmac.new(self._key, np.int64(num_tokens).tobytes(), hashlib.sha256)
+        for page in pages[: -(-num_tokens // self.page_size)]:
+            if not self._known[page]:
+                raise ValueError(f"page {page} has no recorded digest")
+            h.update(self._table[page].tobytes())
+        return h.digest()[:DIGEST_BYTES]
+
+    def arrived_intact(self, pages: Sequence[int], num_tokens: int, expected: bytes) -> bool:
+        """Whether ``num_tokens`` tokens of KV on ``pages`` are what the sender digested."""
+        n = -(-num_tokens // self.page_size)
+        h = hmac.new(self._key, np.int64(num_tokens).tobytes(), hashlib.sha256)
+        for i, page in enumerate(pages[:n]):
+            valid = num_tokens - i * self.page_size if i == n - 1 else None
+            h.update(self.compute(page, valid if valid != self.page_size else None))
+        ok = hmac.compare_digest(h.digest()[:DIGEST_BYTES], expected)
+        if not ok:
+            self.failures += 1
+        return ok
