@@ -6,7 +6,7 @@ Each rank is a spawned process that joins the group, builds its ModelRunner (its
 weights, a KV pool of its own KV heads), then
 
 1. prefills ``kv_prompt`` alone and reports every attention layer's K/V at its slots, and
-2. greedy-generates ``prompts`` through ``LocalEngine`` (paged KV, chunked prefill, prefix cache,
+2. generates ``prompts`` (greedy, or with the given sampling params) through ``LocalEngine`` (paged KV, chunked prefill, prefix cache,
    batched decode), reporting the output ids.
 
 Bounded: the group's collectives time out, the parent waits at most ``timeout_s`` and kills any
@@ -86,7 +86,7 @@ def build(model_dir: str, tp: Any = None) -> tuple[Any, Any]:
 
 
 def _rank_main(rank: int, size: int, port: int, model_dir: str, prompts: list[list[int]], kv_prompt: list[int],
-               out: Any) -> None:
+               params: list[Any] | None, out: Any) -> None:
     try:
         torch.set_num_threads(1)
         from common.parallel import init_tp_group
@@ -97,7 +97,7 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, prompts: list[li
             engine, runner = build(model_dir, tp)
             k, v = prefill_kv(runner, kv_prompt)
             greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-            results = engine.generate(prompts, [greedy] * len(prompts))
+            results = engine.generate(prompts, params or [greedy] * len(prompts))
             runner.memory.check_integrity()
             shard = runner.model.layers[0].self_attn.shard
             out.put(RankResult(rank, shard.q_head_start, shard.num_heads, shard.kv_head_start, shard.num_kv_heads,
@@ -110,11 +110,13 @@ def _rank_main(rank: int, size: int, port: int, model_dir: str, prompts: list[li
 
 
 def run_tp(model_dir: str, tp_size: int, prompts: list[list[int]], kv_prompt: list[int],
-           timeout_s: float = 240.0) -> list[RankResult]:
+           params: list[Any] | None = None, timeout_s: float = 240.0) -> list[RankResult]:
+    """``params``: SamplingParams per prompt (default: greedy, ignore_eos, MAX_NEW tokens). Each
+    rank's sampler is unseeded (its own OS-seeded generator), as in a node."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, port, model_dir, prompts, kv_prompt, out), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, port, model_dir, prompts, kv_prompt, params, out), daemon=True)
              for r in range(tp_size)]
     for p in procs:
         p.start()

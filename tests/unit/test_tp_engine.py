@@ -66,3 +66,16 @@ def test_tp2_greedy_matches_hf_and_holds_half_the_kv_heads(tiny_model_factory: C
 
 def test_tp4_replicates_kv_heads(tiny_model_factory: Callable[..., str]) -> None:
     _check(tiny_model_factory("qwen3", num_attention_heads=8, num_key_value_heads=2), tp=4)
+
+
+def test_tp2_sampled_requests_agree_on_every_rank(tiny_model_factory: Callable[..., str]) -> None:
+    """Unseeded sampling draws from a generator each rank seeds from the OS: without rank 0's ids
+    broadcast, the ranks would append different tokens and their KV would part ways."""
+    path = tiny_model_factory("qwen3", num_attention_heads=8, num_key_value_heads=4)
+    prompts = make_prompts(1000, seed=5)[:6]
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=1.5, ignore_eos=True),
+              SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)] * 2
+    ranks = run_tp(path, 2, prompts, prompts[3][:8], params)
+    assert ranks[0].outputs == ranks[1].outputs
+    assert all(len(o) == MAX_NEW for o in ranks[0].outputs)
