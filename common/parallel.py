@@ -111,6 +111,8 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str = "cpu",
     import torch.distributed as dist
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":  # NCCL binds a communicator to the current device: make it this rank's
+        torch.cuda.set_device(rank_device(device, rank, size))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     log.info("joined TP group: rank %d of %d (%s via %s)", rank, size, backend, init_method)

@@ -25,7 +25,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
-from common.parallel import SINGLE_RANK, TPGroup
+from common.parallel import SINGLE_RANK, TPGroup, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,15 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, attention_cfg: AttentionConfig,
                  tp: TPGroup = SINGLE_RANK) -> None:
         """``model_cfg`` and ``attention_cfg`` must be resolved (no "auto" left; see config.resolve).
-        ``tp``: the node's TP group; this runner is rank ``tp.rank``'s (``model_cfg.device`` is
-        that rank's device)."""
+        ``tp``: the node's TP group; this runner is rank ``tp.rank``'s, on GPU ``cuda:<rank>`` when
+        the device is plain ``cuda`` (an explicit ``cuda:N`` is taken as it is)."""
         from common.models import load_model
 
         self.tp = tp
-        self.device = torch.device(model_cfg.device)
+        device = rank_device(model_cfg.device, tp.rank, tp.size)
+        self.device = torch.device(device)
         self.dtype = getattr(torch, model_cfg.dtype)
-        self.attn_backend = create_attention_backend(attention_cfg, model_cfg.device)
+        self.attn_backend = create_attention_backend(attention_cfg, device)
         self.model = load_model(model_cfg.model_path, self.dtype, self.device, self.attn_backend, tp)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
