@@ -12,7 +12,7 @@ from common.attention.torch_backend import TorchAttentionBackend
 from common.cpu_budget import CpuConfig
 from common.models import ModelArchConfig, load_model
 from common.models.sharding import ShardingError, attention_shard
-from common.parallel import SINGLE_RANK, SingleRank, TPGroup, rank_cpu_config, rank_device
+from common.parallel import SINGLE_RANK, SingleRank, TPGroup, init_tp_group, rank_cpu_config, rank_device
 
 
 class FakeRank(SingleRank):
@@ -130,6 +130,13 @@ def test_single_rank_collectives_are_the_identity() -> None:
     group: TPGroup = SINGLE_RANK
     assert group.all_reduce(t) is t and group.broadcast(t) is t
     assert group.is_first and group.size == 1
+    assert init_tp_group(0, 1, "tcp://127.0.0.1:1") is SINGLE_RANK  # tp = 1 never touches torch.distributed
+
+
+@pytest.mark.parametrize("rank,size", [(2, 2), (-1, 2), (0, 0)])
+def test_a_rank_outside_the_group_is_refused(rank: int, size: int) -> None:
+    with pytest.raises(ValueError, match=f"tp rank {rank} is not in"):
+        init_tp_group(rank, size, "tcp://127.0.0.1:1")
 
 
 @pytest.mark.parametrize("cpu,size,want", [
