@@ -179,8 +179,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.tp = tp
         # Replicated, not vocab-parallel: a vocab-parallel embedding costs an all-reduce of [T, H]
         # per forward and a vocab-parallel head a gather of [B, vocab] per step; replicated, each
-        # rank pays vocab x hidden of memory (small next to the layers for the models we serve)
-        # and computes identical logits itself.
+        # rank computes the whole logits row itself and pays vocab x hidden of memory for it (a
+        # few percent of an 8B model, but a quarter of Qwen3-0.6B: the first thing to shard if
+        # small models at high tp run short of memory).
         self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(self.layer_cls(arch, i, backend, dtype, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
