@@ -1,6 +1,6 @@
 """The tensor-parallel group of one node: its ranks, and the collectives the engine needs.
 
-    TPGroup                rank, size, all_reduce, broadcast, barrier, close
+    TPGroup                rank, size, all_reduce, broadcast, broadcast_bytes, barrier, close
       SingleRank           tp = 1: every collective returns its input; nothing is imported or
                            synchronised, so the tp = 1 hot path costs one attribute check
       DistTPGroup          tp > 1: one torch.distributed process group (gloo on CPU, NCCL on CUDA)
@@ -33,6 +33,7 @@ DEFAULT_TIMEOUT_S = 300.0  # a rank that waits this long for its peers raises in
 class TPGroup(ABC):
     rank: int
     size: int
+    device: torch.device = torch.device("cpu")  # where collectives' tensors must live (NCCL: the GPU)
 
     @property
     def is_first(self) -> bool:
@@ -50,6 +51,23 @@ class TPGroup(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """``src``'s bytes on every rank (others pass None): the way a rank-0 decision that is not
+        a tensor (e.g. a step's encoded input messages) reaches the other ranks. Two
+        broadcasts: the length, then the payload."""
+        if self.size == 1:
+            assert data is not None
+            return data
+        mine = data if self.rank == src and data is not None else b""
+        length = torch.tensor([len(mine)], dtype=torch.int64, device=self.device)
+        self.broadcast(length, src)  # [1]
+        buf = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)  # [n]
+        if mine:
+            buf.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+        if buf.numel():
+            self.broadcast(buf, src)
+        return buf.cpu().numpy().tobytes()
 
     def close(self) -> None:
         """Leave the group (idempotent)."""
@@ -77,11 +95,11 @@ SINGLE_RANK = SingleRank()
 class DistTPGroup(TPGroup):
     """tp > 1 over torch.distributed's default process group (one TP group per process)."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device) -> None:
         import torch.distributed as dist
 
         self._dist = dist
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.device = rank, size, device
         self._ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -111,12 +129,13 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str = "cpu",
     import torch.distributed as dist
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    comm_device = torch.device(rank_device(device, rank, size) if backend == "nccl" else "cpu")
     if backend == "nccl":  # NCCL binds a communicator to the current device: make it this rank's
-        torch.cuda.set_device(rank_device(device, rank, size))
+        torch.cuda.set_device(comm_device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     log.info("joined TP group: rank %d of %d (%s via %s)", rank, size, backend, init_method)
-    return DistTPGroup(rank, size)
+    return DistTPGroup(rank, size, comm_device)
 
 
 def rank_device(device: str, rank: int, size: int) -> str:
