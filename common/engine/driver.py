@@ -8,6 +8,12 @@ Contract: when ``run_extend``/``run_decode`` return, the batch's K/V is in the p
 copies tokens to the host, which waits for the GPU anyway; a batch with nothing to sample (only
 intermediate chunks) waits explicitly, because the prefill node hands those pages to the
 transfer engine right away, and an RDMA read is not ordered after kernels on the compute stream.
+
+Tensor parallelism: every rank computes the same logits and samples, then rank 0's token ids are
+broadcast and replace the others' (``_agree``). Equal logits are not enough: an unseeded
+sampled row draws from a generator seeded from the OS, different on every rank, and the ranks'
+schedulers must append the same token to stay in step. Logprobs stay each rank's own (only rank
+0 reports them). tp = 1 skips the broadcast.
 """
 from __future__ import annotations
 
@@ -59,7 +65,8 @@ class EngineDriver:
         if specs and all(s is not None and s.plain_greedy for s in specs):
             # What Sampler.sample computes for such rows (argmax of the raw logits), without its
             # per-row parameter lists.
-            return [SampledToken(t, None, []) for t in torch.argmax(logits, dim=-1).tolist()]
+            ids = self._agree(torch.argmax(logits, dim=-1))  # [B] int64
+            return [SampledToken(t, None, []) for t in ids.tolist()]
         keep = [i for i, s in enumerate(specs) if s is not None]
         out: list[SampledToken | None] = [None] * len(specs)
         if not keep:
@@ -69,12 +76,18 @@ class EngineDriver:
         chosen = [specs[i] for i in keep]  # type: ignore[misc]
         rows = logits if len(keep) == len(specs) else logits[torch.tensor(keep, device=logits.device)]  # [K, vocab]
         need_prompt = any(s.params.repetition_penalty != 1.0 for s in chosen)  # type: ignore[union-attr]
-        result = self.sampler.sample(
+        sampled = self.sampler.sample(
             rows,
             [s.params for s in chosen],  # type: ignore[union-attr]
             [s.output_ids for s in chosen],  # type: ignore[union-attr]
             [s.prompt_ids or [] for s in chosen] if need_prompt else None,  # type: ignore[union-attr]
-        ).tolist()
-        for i, tok in zip(keep, result):
+        )
+        sampled.token_ids = self._agree(sampled.token_ids)
+        for i, tok in zip(keep, sampled.tolist()):
             out[i] = tok
         return out
+
+    def _agree(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's token ids on every rank. [B] int64"""
+        tp = self.runner.tp
+        return token_ids if tp.size == 1 else tp.broadcast(token_ids.contiguous(), src=0)

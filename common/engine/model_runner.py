@@ -3,6 +3,10 @@
 The runner owns the tensors (weights, K/V pool, req->token table). Bookkeeping of who holds
 which page lives in ``KVMemory`` (built here, used by the schedulers); the runner never decides
 what runs, it only turns a list of extend chunks or decode items into logits.
+
+Under tensor parallelism every rank has its own runner over its shard of the weights and a KV
+pool of its own KV heads; the page count is agreed (the minimum over the ranks) so that page ids,
+which every rank's identical scheduler hands out, mean the same slots on every rank.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
+from common.parallel import SINGLE_RANK, TPGroup, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +73,27 @@ def page_digests(runner: ModelRunner, secret: str | None) -> PageDigests:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, attention_cfg: AttentionConfig) -> None:
-        """``model_cfg`` and ``attention_cfg`` must be resolved (no "auto" left; see config.resolve)."""
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, attention_cfg: AttentionConfig,
+                 tp: TPGroup = SINGLE_RANK) -> None:
+        """``model_cfg`` and ``attention_cfg`` must be resolved (no "auto" left; see config.resolve).
+        ``tp``: the node's TP group; this runner is rank ``tp.rank``'s, on GPU ``cuda:<rank>`` when
+        the device is plain ``cuda`` (an explicit ``cuda:N`` is taken as it is)."""
         from common.models import load_model
 
-        self.device = torch.device(model_cfg.device)
+        self.tp = tp
+        device = rank_device(model_cfg.device, tp.rank, tp.size)
+        self.device = torch.device(device)
         self.dtype = getattr(torch, model_cfg.dtype)
-        self.attn_backend = create_attention_backend(attention_cfg, model_cfg.device)
-        self.model = load_model(model_cfg.model_path, self.dtype, self.device, self.attn_backend)
+        self.attn_backend = create_attention_backend(attention_cfg, device)
+        self.model = load_model(model_cfg.model_path, self.dtype, self.device, self.attn_backend, tp)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings
         self.context_length = ctx
         # Rows are whole pages long so a request's last page never spills past its row.
         row_len = -(-ctx // page_size) * page_size
-        layout = self.arch.kv_layout(page_size, model_cfg.dtype)
-        num_pages = self._num_pages(cache_cfg, layout.bytes_per_page_per_layer * 2 * layout.num_layers)
+        layout = self.arch.kv_layout(page_size, model_cfg.dtype, tp.size, tp.rank)  # this rank's KV heads
+        num_pages = self._agreed(self._num_pages(cache_cfg, layout.bytes_per_page_per_layer * 2 * layout.num_layers))
         self.kv_pool = KVPool(layout, num_pages, self.device)
         self.req_to_token = ReqToTokenPool(cache_cfg.max_running_requests, row_len, self.device)
         allocator = PageAllocator(num_pages)
@@ -99,6 +109,12 @@ class ModelRunner:
         log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d%s", num_pages, page_size,
                  self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len,
                  "" if self.state_pool is None else f", state {self.state_pool.nbytes() / 2**20:.1f} MiB")
+
+    def _agreed(self, num_pages: int) -> int:
+        """The smallest page count over the TP ranks (free GPU memory differs between devices)."""
+        if self.tp.size == 1:
+            return num_pages
+        return int(self.tp.all_reduce(torch.tensor([num_pages], dtype=torch.int64, device=self.device), op="min").item())
 
     def _num_pages(self, cfg: CacheConfig, bytes_per_page: int) -> int:
         if cfg.max_total_tokens is not None:

@@ -19,6 +19,7 @@ import torch
 
 from common.kvcache.pool import KVLayout
 from common.kvcache.state_pool import StateLayout
+from common.models.sharding import attention_shard
 
 # Families whose q/k/v projections always carry a bias (no config flag says so).
 _ALWAYS_QKV_BIAS = frozenset({"qwen2"})
@@ -98,11 +99,12 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_layout(self, page_size: int, dtype: str | torch.dtype) -> KVLayout:
-        """The KV pool layout for this model: one K and one V buffer per layer."""
+    def kv_layout(self, page_size: int, dtype: str | torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
+        """The KV pool layout for this model: one K and one V buffer per layer, holding the KV
+        heads of TP rank ``tp_rank`` only (``num_kv_heads / tp_size``, or one replicated head)."""
         return KVLayout(
             num_layers=len(self.attention_layers),
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=attention_shard(self.num_heads, self.num_kv_heads, tp_size, tp_rank).num_kv_heads,
             head_dim=self.head_dim,
             page_size=page_size,
             dtype=_dtype_name(dtype),

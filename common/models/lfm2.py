@@ -19,6 +19,10 @@ node sends the final one to the decode node with the last chunk's KV.
 
 Why LFM2 for our first hybrid: transformers implements it in plain torch, its state is small and
 fixed per layer (no selective-scan kernel to write), and its attention layers reuse ours.
+
+Tensor parallelism is refused (tp > 1 raises ``ShardingError``): the conv layers' in/out
+projections and per-request state would have to be split by channel and the state transfer
+taught about it; not done yet.
 """
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ from torch import nn
 from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.models.arch import ModelArchConfig
-from common.models.llama import MLP, Attention, LlamaFamilyForCausalLM, RMSNorm, empty_param
+from common.models.llama import MLP, Attention, LlamaFamilyForCausalLM, RMSNorm, Targets, empty_param
+from common.models.sharding import ShardingError
+from common.parallel import SINGLE_RANK, TPGroup
 
 
 class ShortConv(nn.Module):
@@ -72,8 +78,10 @@ class ShortConv(nn.Module):
 
 
 class Lfm2Layer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
+        assert tp.size == 1, "Lfm2ForCausalLM refuses tensor parallelism before building layers"
         self.operator_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.ffn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.feed_forward = MLP(arch, dtype)
@@ -96,23 +104,25 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
 
     layer_cls = Lfm2Layer
 
-    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE_RANK) -> None:
+        if tp.size > 1:
+            raise ShardingError(f"{arch.architecture} does not support tensor parallelism (tp size {tp.size}): "
+                                "its short-convolution layers and their recurrent state are not sharded; use tp size 1")
+        super().__init__(arch, backend, dtype, tp)
+
+    def checkpoint_targets(self) -> Targets:
         """HF names -> views of our parameters (q/k/v and w1/w3 fused as in the Llama family)."""
-        a = self.arch
-        q, kv, inter = a.q_size, a.kv_size, a.intermediate_size
         # LFM2's final norm is called embedding_norm (it runs after the last layer all the same).
-        t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.data,
-                                      "model.embedding_norm.weight": self.norm.weight.data}
+        t: Targets = {"model.embed_tokens.weight": self.embed_tokens.data,
+                      "model.embedding_norm.weight": self.norm.weight.data}
         if self.lm_head is not None:
             t["lm_head.weight"] = self.lm_head.data
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             t[p + "operator_norm.weight"] = layer.operator_norm.weight.data
             t[p + "ffn_norm.weight"] = layer.ffn_norm.weight.data
-            ff = layer.feed_forward
-            t[p + "feed_forward.w1.weight"] = ff.gate_up_proj.data[:inter]
-            t[p + "feed_forward.w3.weight"] = ff.gate_up_proj.data[inter:]
-            t[p + "feed_forward.w2.weight"] = ff.down_proj.data
+            t.update(layer.feed_forward.checkpoint_targets(p + "feed_forward.", ("w1", "w3", "w2")))
             if layer.conv is not None:
                 conv = layer.conv
                 t[p + "conv.in_proj.weight"] = conv.in_proj.data
@@ -124,10 +134,7 @@ class Lfm2ForCausalLM(LlamaFamilyForCausalLM):
             else:
                 attn = layer.self_attn
                 assert attn is not None and attn.q_norm is not None and attn.k_norm is not None
-                t[p + "self_attn.q_proj.weight"] = attn.qkv_proj.data[:q]
-                t[p + "self_attn.k_proj.weight"] = attn.qkv_proj.data[q : q + kv]
-                t[p + "self_attn.v_proj.weight"] = attn.qkv_proj.data[q + kv :]
-                t[p + "self_attn.out_proj.weight"] = attn.o_proj.data
+                t.update(attn.checkpoint_targets(p + "self_attn.", ("q_proj", "k_proj", "v_proj", "out_proj")))
                 t[p + "self_attn.q_layernorm.weight"] = attn.q_norm.weight.data
                 t[p + "self_attn.k_layernorm.weight"] = attn.k_norm.weight.data
         return t

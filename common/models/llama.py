@@ -11,6 +11,12 @@ Everything runs on the packed tokens of the whole batch ([T, ...]); only the att
 knows where one request ends. q/k/v and gate/up are fused into one matmul each; the loader fills
 the fused weights from the checkpoint's separate tensors (see ``checkpoint_targets``).
 Parameters are allocated with ``torch.empty`` (no random init: every one is loaded).
+
+Tensor parallelism (``tp``, see common/models/sharding.py): fused q/k/v and gate/up are
+column-parallel (this rank's heads / its slice of the MLP width), o_proj and down_proj
+row-parallel, each followed by one all-reduce: two per layer. Embedding, norms and the LM head
+are replicated, so every rank computes the whole logits row itself (no gather). With tp = 1 the
+sharded shapes are the full ones and no collective runs.
 """
 from __future__ import annotations
 
@@ -22,10 +28,23 @@ from common.attention.base import AttentionBackend, AttentionLayerSpec
 from common.engine.forward_batch import ForwardBatch
 from common.models.arch import ModelArchConfig
 from common.models.rope import RotaryEmbedding, apply_rope
+from common.models.sharding import ShardTarget, attention_shard, cols, rows, split_size
+from common.parallel import SINGLE_RANK, TPGroup
+
+# HF tensor name -> our parameter (or the slice of it this rank fills from a slice of the tensor).
+Targets = dict[str, torch.Tensor | ShardTarget]
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> torch.Tensor:
+    """x [T, in/tp] @ weight[out, in/tp].T summed over the ranks, + bias once. [T, out]"""
+    if tp.size == 1:
+        return F.linear(x, weight, bias)  # the fused addmm, as before TP existed
+    out = tp.all_reduce(F.linear(x, weight))  # [T, out] partial sums -> full sums on every rank
+    return out if bias is None else out + bias
 
 
 class RMSNorm(nn.Module):
@@ -42,11 +61,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.arch = arch
         self.backend = backend
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.tp = tp
+        # This rank's query heads and the KV heads they read (all of them when tp = 1).
+        self.shard = attention_shard(arch.num_heads, arch.num_kv_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * arch.head_dim, self.num_kv_heads * arch.head_dim
         qkv_out = self.q_size + 2 * self.kv_size
         self.qkv_proj = empty_param(qkv_out, arch.hidden_size, dtype=dtype)
         self.qkv_bias = empty_param(qkv_out, dtype=dtype) if arch.qkv_bias else None
@@ -56,8 +80,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=arch.head_dim,
             scaling=arch.head_dim**-0.5,
         )
@@ -66,19 +90,41 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.arch.head_dim
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.arch.num_heads, d)  # [T, heads, head_dim]
-        k = k.reshape(t, self.arch.num_kv_heads, d)  # [T, kv_heads, head_dim]
+        q = q.reshape(t, self.num_heads, d)  # [T, heads, head_dim] (this rank's heads)
+        k = k.reshape(t, self.num_kv_heads, d)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.backend.forward(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), self.spec, batch)  # [T, q]
-        return F.linear(out, self.o_proj, self.o_bias)  # [T, H]
+        return row_parallel_linear(out, self.o_proj, self.o_bias, self.tp)  # [T, H]
+
+    def checkpoint_targets(self, prefix: str, names: tuple[str, str, str, str]) -> Targets:
+        """``prefix`` + q/k/v/o names (HF spells o_proj differently per family) -> our slices::
+
+            qkv_proj rows: [0, q) <- q_proj | [q, q+kv) <- k_proj | [q+kv, q+2kv) <- v_proj
+            o_proj columns <- o_proj's columns of this rank's query heads
+        """
+        d, s, a = self.arch.head_dim, self.shard, self.arch
+        q, kv = self.q_size, self.kv_size
+        q_start, kv_start = s.q_head_start * d, s.kv_head_start * d
+        t: Targets = {}
+        for kind, tensor in (("weight", self.qkv_proj), ("bias", self.qkv_bias)):
+            if tensor is not None:
+                t[f"{prefix}{names[0]}.{kind}"] = rows(tensor.data[:q], q_start, a.q_size)
+                t[f"{prefix}{names[1]}.{kind}"] = rows(tensor.data[q : q + kv], kv_start, a.kv_size)
+                t[f"{prefix}{names[2]}.{kind}"] = rows(tensor.data[q + kv :], kv_start, a.kv_size)
+        t[f"{prefix}{names[3]}.weight"] = cols(self.o_proj.data, q_start, a.q_size)
+        if self.o_bias is not None:
+            t[f"{prefix}{names[3]}.bias"] = self.o_bias.data  # added once, after the all-reduce
+        return t
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.inter = arch.intermediate_size
+        self.tp = tp
+        self.full_inter = arch.intermediate_size
+        self.inter = split_size(arch.intermediate_size, tp.size, "intermediate_size")  # this rank's slice
         self.gate_up_proj = empty_param(2 * self.inter, arch.hidden_size, dtype=dtype)
         self.gate_up_bias = empty_param(2 * self.inter, dtype=dtype) if arch.mlp_bias else None
         self.down_proj = empty_param(arch.hidden_size, self.inter, dtype=dtype)
@@ -86,16 +132,34 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).split(self.inter, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)  # [T, H]
+        return row_parallel_linear(F.silu(gate) * up, self.down_proj, self.down_bias, self.tp)  # [T, H]
+
+    def checkpoint_targets(self, prefix: str, names: tuple[str, str, str]) -> Targets:
+        """``prefix`` + gate/up/down names -> our slices::
+
+            gate_up_proj rows: [0, I) <- gate_proj | [I, 2I) <- up_proj    (I: this rank's width)
+            down_proj columns <- the same slice of the intermediate dimension
+        """
+        i, start, full = self.inter, self.tp.rank * self.inter, self.full_inter
+        t: Targets = {}
+        for kind, tensor in (("weight", self.gate_up_proj), ("bias", self.gate_up_bias)):
+            if tensor is not None:
+                t[f"{prefix}{names[0]}.{kind}"] = rows(tensor.data[:i], start, full)
+                t[f"{prefix}{names[1]}.{kind}"] = rows(tensor.data[i:], start, full)
+        t[f"{prefix}{names[2]}.weight"] = cols(self.down_proj.data, start, full)
+        if self.down_bias is not None:
+            t[f"{prefix}{names[2]}.bias"] = self.down_bias.data  # added once, after the all-reduce
+        return t
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, layer_id, backend, dtype)
+        self.self_attn = Attention(arch, layer_id, backend, dtype, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.mlp = MLP(arch, dtype, tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)  # [T, H]
@@ -107,12 +171,19 @@ class LlamaFamilyForCausalLM(nn.Module):
     # and changes only its layers (LFM2) sets its own.
     layer_cls: type[nn.Module] = DecoderLayer
 
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
+        self.tp = tp
+        # Replicated, not vocab-parallel: a vocab-parallel embedding costs an all-reduce of [T, H]
+        # per forward and a vocab-parallel head a gather of [B, vocab] per step; replicated, each
+        # rank computes the whole logits row itself and pays vocab x hidden of memory for it (a
+        # few percent of an 8B model, but a quarter of Qwen3-0.6B: the first thing to shard if
+        # small models at high tp run short of memory).
         self.embed_tokens = empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(self.layer_cls(arch, i, backend, dtype) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(arch, i, backend, dtype, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim)
@@ -132,15 +203,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, head).float()
 
-    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+    def checkpoint_targets(self) -> Targets:
         """Every tensor the checkpoint must provide (HF names) -> the view of our parameter it
-        fills. Fused parameters appear as several row slices::
-
-            qkv_proj rows: [0, q) <- q_proj | [q, q+kv) <- k_proj | [q+kv, q+2kv) <- v_proj
-            gate_up_proj rows: [0, I) <- gate_proj | [I, 2I) <- up_proj
-        """
-        q, kv, inter = self.arch.q_size, self.arch.kv_size, self.arch.intermediate_size
-        t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.weight.data}
+        fills, or a ``ShardTarget``: the slice of the checkpoint tensor this rank loads into a
+        view (fused q/k/v and gate/up take several row slices; see ``Attention``/``MLP``)."""
+        t: Targets = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.weight.data}
         if self.lm_head is not None:
             t["lm_head.weight"] = self.lm_head.data
         for i, layer in enumerate(self.layers):
@@ -148,24 +215,11 @@ class LlamaFamilyForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             t[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data
             t[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
-            for kind, tensor in (("weight", attn.qkv_proj), ("bias", attn.qkv_bias)):
-                if tensor is not None:
-                    t[p + f"self_attn.q_proj.{kind}"] = tensor.data[:q]
-                    t[p + f"self_attn.k_proj.{kind}"] = tensor.data[q : q + kv]
-                    t[p + f"self_attn.v_proj.{kind}"] = tensor.data[q + kv :]
-            t[p + "self_attn.o_proj.weight"] = attn.o_proj.data
-            if attn.o_bias is not None:
-                t[p + "self_attn.o_proj.bias"] = attn.o_bias.data
+            t.update(attn.checkpoint_targets(p + "self_attn.", ("q_proj", "k_proj", "v_proj", "o_proj")))
             if attn.q_norm is not None and attn.k_norm is not None:
                 t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.data
                 t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.data
-            for kind, tensor in (("weight", mlp.gate_up_proj), ("bias", mlp.gate_up_bias)):
-                if tensor is not None:
-                    t[p + f"mlp.gate_proj.{kind}"] = tensor.data[:inter]
-                    t[p + f"mlp.up_proj.{kind}"] = tensor.data[inter:]
-            t[p + "mlp.down_proj.weight"] = mlp.down_proj.data
-            if mlp.down_bias is not None:
-                t[p + "mlp.down_proj.bias"] = mlp.down_bias.data
+            t.update(mlp.checkpoint_targets(p + "mlp.", ("gate_proj", "up_proj", "down_proj")))
         return t
 
     def ignorable_checkpoint_tensor(self, name: str) -> bool:

@@ -24,6 +24,8 @@ from safetensors import safe_open
 from common.attention.base import AttentionBackend
 from common.models.arch import ModelArchConfig, ModelLoadError
 from common.models.registry import model_class
+from common.models.sharding import ShardTarget
+from common.parallel import SINGLE_RANK, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +37,19 @@ _MAX_LISTED = 8  # names listed per problem kind; the count says how many there 
 class LoadableModel(Protocol):
     arch: ModelArchConfig
 
-    def checkpoint_targets(self) -> dict[str, torch.Tensor]: ...
+    def checkpoint_targets(self) -> dict[str, torch.Tensor | ShardTarget]: ...
 
     def ignorable_checkpoint_tensor(self, name: str) -> bool: ...
 
 
 def load_model(
-    model_path: str, dtype: torch.dtype | str, device: torch.device | str, attn_backend: AttentionBackend
+    model_path: str, dtype: torch.dtype | str, device: torch.device | str, attn_backend: AttentionBackend,
+    tp: TPGroup = SINGLE_RANK,
 ) -> torch.nn.Module:
     """Parse config.json, build the registered model class on ``device`` in ``dtype``, load weights.
+
+    With ``tp.size > 1`` the model holds (and the loader reads from disk) only rank ``tp.rank``'s
+    shard; head or width counts that do not divide raise ``ShardingError``.
 
     Raises ``ModelLoadError`` (naming the directory) for an unknown architecture, missing weight
     files, and missing, unexpected, duplicated or wrongly shaped tensors.
@@ -55,11 +61,12 @@ def load_model(
     cls = model_class(arch.architecture)
     files = checkpoint_files(model_path)  # fail on missing files before allocating anything
     with torch.device(device):
-        model = cls(arch, attn_backend, torch_dtype)
+        model = cls(arch, attn_backend, torch_dtype, tp)
     model.to(device)  # buffers computed on the host (RoPE frequencies) follow the parameters
     load_weights(model, files, model_path)
     model.eval()
-    log.info("loaded %s from %s (%d layers, %s on %s)", arch.architecture, model_path, arch.num_layers, torch_dtype, device)
+    log.info("loaded %s from %s (%d layers, %s on %s%s)", arch.architecture, model_path, arch.num_layers, torch_dtype,
+             device, f", tp rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
     return model
 
 
@@ -89,7 +96,8 @@ def checkpoint_files(model_path: str) -> list[str]:
 
 
 def load_weights(model: LoadableModel, files: list[str], model_path: str) -> None:
-    """Copy every checkpoint tensor into its target view (casting dtype, moving device)."""
+    """Copy every checkpoint tensor (or this rank's slice of it) into its target view (casting
+    dtype, moving device). Shapes are checked against the whole checkpoint tensor."""
     targets = model.checkpoint_targets()
     seen: dict[str, str] = {}  # tensor name -> file it came from
     unexpected: list[str] = []
@@ -113,11 +121,18 @@ def load_weights(model: LoadableModel, files: list[str], model_path: str) -> Non
                     duplicated.append(f"{name} ({seen[name]} and {fname})")
                     continue
                 seen[name] = fname
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(dest.shape):
-                    mismatched.append(f"{name} ({fname}): checkpoint {shape}, config expects {tuple(dest.shape)}")
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                expected = dest.checkpoint_shape if isinstance(dest, ShardTarget) else tuple(dest.shape)
+                if shape != expected:
+                    mismatched.append(f"{name} ({fname}): checkpoint {shape}, config expects {expected}")
                     continue
-                dest.copy_(f.get_tensor(name))
+                if isinstance(dest, ShardTarget) and dest.dest.shape[dest.dim] != dest.full:
+                    # Only this rank's rows/columns are read from the file.
+                    index = (slice(None),) * dest.dim + (slice(dest.start, dest.stop),)
+                    dest.dest.copy_(part[index])
+                else:
+                    (dest.dest if isinstance(dest, ShardTarget) else dest).copy_(f.get_tensor(name))
     missing = [n for n in targets if n not in seen]
     problems = [
         _describe("missing tensors", missing),

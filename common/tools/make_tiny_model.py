@@ -17,6 +17,20 @@ The variants differ on purpose so that code deriving a value from the wrong fiel
     lfm2    5       4/2       absent (64/4=16)  ~1000  tied        hybrid: 3 short-conv layers
                                                                    (recurrent state) + 2 attention
 
+Shapes for tensor-parallel tests and real-size runs: config overrides (``--num-attention-heads 8
+--num-key-value-heads 4``, ``--hidden-size``, ``--num-hidden-layers``, ``--intermediate-size``,
+``--head-dim``, ``--vocab-size``) and ``--shape`` presets with a real model's dimensions::
+
+    shape          arch   layers  hidden  heads/kv  head_dim  inter  rope                    real vocab
+    smollm2-135m   llama  30      576     9/3       64        1536   theta 1e5               49152
+    qwen3-0.6b     qwen3  28      1024    16/8      128       3072   theta 1e6               151936
+    llama-3.2-1b   llama  16      2048    32/8      64        8192   theta 5e5, llama3 x32   128256
+
+All three tie their embeddings. The vocabulary is NOT the real one: the tokenizer trained here on
+built-in text stops at ~1100 tokens whatever the target, and config.json always gets the size the
+tokenizer reached (every id the model can emit decodes), presets included. Explicit overrides
+win over the preset; ``--dtype bfloat16`` stores the weights (and ``torch_dtype``) in bfloat16.
+
 Weight scales are chosen so greedy decoding has clear winners (logit std ~8, so the top-2 gap
 is rarely a near-tie) and context matters (attention scores of a few units, branch outputs
 dominating the residual so tied embeddings do not just echo the input), see ``_init_std``.
@@ -35,7 +49,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from common.models.arch import lfm2_intermediate_size
+from common.models.arch import ModelArchConfig, ModelLoadError, lfm2_intermediate_size
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -134,6 +148,40 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 ARCHS = tuple(_ARCH_CONFIGS)
+
+# Real models' dimensions (from their config.json on the hub), applied over the arch's tiny config.
+# vocab_size is the tokenizer's training target only (see the module docstring).
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m": ("llama", {
+        "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+        "rope_theta": 100000.0, "rope_scaling": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+    }),
+    "qwen3-0.6b": ("qwen3", {
+        "num_hidden_layers": 28, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+        "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+    }),
+    "llama-3.2-1b": ("llama", {
+        "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    }),
+}
+DTYPES = ("float32", "bfloat16")
+# CLI flag -> config.json key, for the size overrides the TP tests and real-shape runs need.
+SIZE_FLAGS = {
+    "num_attention_heads": "number of query heads",
+    "num_key_value_heads": "number of KV heads",
+    "hidden_size": "hidden size",
+    "num_hidden_layers": "number of layers",
+    "intermediate_size": "MLP width",
+    "head_dim": "per-head dimension",
+    "vocab_size": "tokenizer vocabulary target (config gets the size reached)",
+}
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -260,9 +308,10 @@ def _init_std(cfg: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Random float32 tensors named as HF names them; norm weights near (not at) 1 so a loader
-    that forgets to load them is caught."""
+def make_weights(cfg: dict[str, Any], seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random tensors named as HF names them (drawn in float32, stored in ``dtype`` one by one, so
+    a bfloat16 model never holds a float32 copy of itself); norm weights near (not at) 1 so a
+    loader that forgets to load them is caught."""
     gen = torch.Generator().manual_seed(seed)
     std = _init_std(cfg)
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -273,11 +322,11 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     o_bias = model_type != "qwen2" and bool(cfg.get("attention_bias"))
     mlp_bias = bool(cfg.get("mlp_bias"))
 
-    def randn(*shape: int, scale: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+    def randn(*shape: int, scale: float, offset: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale + offset).to(dtype)
 
     def norm(n: int) -> torch.Tensor:
-        return 1.0 + randn(n, scale=0.1)
+        return randn(n, scale=0.1, offset=1.0)
 
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, hidden, scale=std["embed"])}
     if model_type == "lfm2":
@@ -298,8 +347,8 @@ def make_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.o_proj.bias"] = randn(hidden, scale=std["bias"])
         if model_type == "qwen3":
             # per-head q/k RMSNorm: weight ~1.5 so scores q.k/sqrt(d) have std ~2 after renormalising
-            w[p + "self_attn.q_norm.weight"] = 1.5 + randn(head_dim, scale=0.1)
-            w[p + "self_attn.k_norm.weight"] = 1.5 + randn(head_dim, scale=0.1)
+            w[p + "self_attn.q_norm.weight"] = randn(head_dim, scale=0.1, offset=1.5)
+            w[p + "self_attn.k_norm.weight"] = randn(head_dim, scale=0.1, offset=1.5)
         w[p + "mlp.gate_proj.weight"] = randn(inter, hidden, scale=std["gate_up"])
         w[p + "mlp.up_proj.weight"] = randn(inter, hidden, scale=std["gate_up"])
         w[p + "mlp.down_proj.weight"] = randn(hidden, inter, scale=std["down"])
@@ -332,8 +381,8 @@ def _lfm2_weights(cfg: dict[str, Any], w: dict[str, torch.Tensor], randn: Any, n
             w[p + "self_attn.k_proj.weight"] = randn(n_kv * head_dim, hidden, scale=std["qk"])
             w[p + "self_attn.v_proj.weight"] = randn(n_kv * head_dim, hidden, scale=std["v"])
             w[p + "self_attn.out_proj.weight"] = randn(hidden, n_heads * head_dim, scale=std["o"])
-            w[p + "self_attn.q_layernorm.weight"] = 1.5 + randn(head_dim, scale=0.1)
-            w[p + "self_attn.k_layernorm.weight"] = 1.5 + randn(head_dim, scale=0.1)
+            w[p + "self_attn.q_layernorm.weight"] = randn(head_dim, scale=0.1, offset=1.5)
+            w[p + "self_attn.k_layernorm.weight"] = randn(head_dim, scale=0.1, offset=1.5)
         w[p + "feed_forward.w1.weight"] = randn(inter, hidden, scale=std["gate_up"])
         w[p + "feed_forward.w3.weight"] = randn(inter, hidden, scale=std["gate_up"])
         w[p + "feed_forward.w2.weight"] = randn(hidden, inter, scale=BRANCH_GAIN / inter**0.5)
@@ -350,18 +399,46 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **overrides: Any) -> str:
-    """Write a tiny checkpoint of ``arch`` to ``out_dir`` (created if missing); return ``out_dir``.
-
-    ``overrides`` replace config.json keys (e.g. ``num_hidden_layers=4``). ``vocab_size`` is the
-    tokenizer's training target; config.json gets the size actually reached, so every id the
-    model can emit decodes. Same arguments give byte-identical files.
-    """
+def tiny_config(arch: str | None = None, shape: str | None = None, dtype: str = "float32",
+                **overrides: Any) -> dict[str, Any]:
+    """config.json before the tokenizer fixes vocab_size and the special ids: the arch's tiny
+    config, then the ``shape`` preset, then ``overrides``. Raises ValueError for an unknown
+    arch/shape/dtype, an arch that contradicts the shape, or a config our loader would refuse."""
+    if shape is not None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
+        shape_arch, preset = SHAPES[shape]
+        if arch is not None and arch != shape_arch:
+            raise ValueError(f"--shape {shape} is a {shape_arch} model, not --arch {arch}")
+        arch = shape_arch
+    arch = arch or "qwen3"
     if arch not in _ARCH_CONFIGS:
         raise ValueError(f"unknown tiny-model arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     cfg = copy.deepcopy(_COMMON)
     cfg.update(copy.deepcopy(_ARCH_CONFIGS[arch]))
+    if shape is not None:
+        cfg.update(copy.deepcopy(preset))
     cfg.update(overrides)
+    cfg["torch_dtype"] = dtype
+    try:
+        ModelArchConfig.from_hf(cfg)  # what the engine will parse: refuse bad head counts here
+    except ModelLoadError as exc:
+        raise ValueError(f"tiny-model config is not servable: {exc}") from None
+    return cfg
+
+
+def make_tiny_model(out_dir: str, arch: str | None = None, seed: int = 0, shape: str | None = None,
+                    dtype: str = "float32", **overrides: Any) -> str:
+    """Write a tiny checkpoint of ``arch`` (default qwen3, or the ``shape`` preset's) to ``out_dir``
+    (created if missing); return ``out_dir``.
+
+    ``overrides`` replace config.json keys (e.g. ``num_hidden_layers=4``), after the preset.
+    ``vocab_size`` is the tokenizer's training target; config.json gets the size actually
+    reached, so every id the model can emit decodes. Same arguments give byte-identical files.
+    """
+    cfg = tiny_config(arch, shape, dtype, **overrides)
 
     tok = build_tokenizer(int(cfg["vocab_size"]))
     cfg["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
@@ -376,17 +453,28 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, **override
     )
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tok))
-    save_file(make_weights(cfg, seed), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = make_weights(cfg, seed, getattr(torch, dtype))
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdcluster make-tiny-model", description=__doc__.splitlines()[0])
     parser.add_argument("out", metavar="OUT", help="output directory (created if missing)")
-    parser.add_argument("--arch", default="qwen3", choices=ARCHS, help="model family (default: qwen3)")
+    parser.add_argument("--arch", default=None, choices=ARCHS, help="model family (default: qwen3, or the --shape's)")
+    parser.add_argument("--shape", default=None, choices=tuple(SHAPES),
+                        help="a real model's dimensions (the vocabulary stays the tiny tokenizer's)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    for key, what in SIZE_FLAGS.items():
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None, metavar="N",
+                            help=f"config.json {key}: {what}")
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.out, arch=args.arch, seed=args.seed)
+    overrides = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    try:
+        path = make_tiny_model(args.out, arch=args.arch, seed=args.seed, shape=args.shape, dtype=args.dtype, **overrides)
+    except ValueError as exc:
+        parser.error(str(exc))  # exit 2 with the reason, before anything is written
     print(path)
     return 0
 

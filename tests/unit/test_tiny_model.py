@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from common.tools.make_tiny_model import ARCHS, main, make_tiny_model
 from tests.reference import hf_greedy, hf_logits
@@ -160,3 +161,67 @@ def test_hf_greedy_stops_on_any_eos(tiny_llama: str) -> None:
     assert tokens == [stream[at]]
     tokens, _ = hf_greedy(tiny_llama, prompt + stream[:at], 10, stop_on_eos=False)
     assert tokens[0] == stream[at] and len(tokens) == 10
+
+
+def test_size_overrides_reach_config_and_hf_loads_them(tmp_path: os.PathLike) -> None:
+    """The TP tests' model: 8 query / 4 KV heads, other sizes changed too, through the CLI."""
+    out = str(tmp_path / "tp")
+    argv = ["--arch", "llama", "--num-attention-heads", "8", "--num-key-value-heads", "4", "--hidden-size", "96",
+            "--num-hidden-layers", "2", "--intermediate-size", "160", "--head-dim", "16", out]
+    assert main(argv) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
+    cfg = model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size) == (8, 4, 96)
+    assert (cfg.num_hidden_layers, cfg.intermediate_size, cfg.head_dim) == (2, 160, 16)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (4 * 16, 96)
+
+
+# The real models' config.json values (from the hub), written out here independently of the tool.
+_REAL = {
+    "smollm2-135m": ("LlamaForCausalLM", dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                     num_key_value_heads=3, intermediate_size=1536, tie_word_embeddings=True, head_dim=64), None),
+    "qwen3-0.6b": ("Qwen3ForCausalLM", dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True), None),
+    "llama-3.2-1b": ("LlamaForCausalLM", dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True, head_dim=64), 500000.0),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_REAL))
+def test_shape_presets_have_the_real_dimensions(tmp_path: os.PathLike, shape: str) -> None:
+    """Config of the whole preset; weights written with one layer (an override wins over the
+    preset) so the check stays small, and HF loads them with the preset's other dimensions."""
+    from common.tools.make_tiny_model import tiny_config
+
+    arch, dims, theta = _REAL[shape]
+    cfg = tiny_config(shape=shape)
+    assert cfg["architectures"] == [arch]
+    assert {k: cfg[k] for k in dims} == dims
+    if theta is not None:
+        assert cfg["rope_theta"] == theta
+        assert cfg["rope_scaling"]["rope_type"] == "llama3" and cfg["rope_scaling"]["factor"] == 32.0
+    out = str(tmp_path / shape)
+    assert main(["--shape", shape, "--num-hidden-layers", "1", "--dtype", "bfloat16", out]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert model.config.num_hidden_layers == 1 and model.config.hidden_size == dims["hidden_size"]
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert len(_auto_tokenizer(out)) == model.config.vocab_size  # the tokenizer's size, not the real vocab
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "qwen3-0.6b", "--arch", "llama"], "--shape qwen3-0.6b is a qwen3 model, not --arch llama"),
+    (["--num-attention-heads", "6", "--num-key-value-heads", "4"], "not a multiple of num_key_value_heads 4"),
+])
+def test_bad_options_exit_2_and_write_nothing(tmp_path: os.PathLike, capsys: pytest.CaptureFixture[str],
+                                               argv: list[str], message: str) -> None:
+    out = str(tmp_path / "bad")
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, out])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not os.path.exists(out)
