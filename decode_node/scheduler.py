@@ -43,7 +43,7 @@ from common.sched.stop import StopChecker
 from decode_node.budget import DecodeBudget, NewTokenRatio
 from decode_node.req import AuxSlots, DecodeCounters, DecodeQueues, DecodeReq, DecodeSchedConfig, Engine
 from decode_node.req import ReceiverFactory, Stage, recompute
-from transfer.errors import TransferError
+from transfer.errors import RoomInUse, TransferError
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ class DecodeScheduler:
             try:
                 r.receiver = self.receivers.create_receiver(r.room, r.bootstrap_addr)  # type: ignore[arg-type]
             except TransferError as exc:
-                return self._fail(r, 400, f"{r.label()}: cannot receive its KV: {exc}")
+                status = 409 if isinstance(exc, RoomInUse) else 400
+                return self._fail(r, status, f"{r.label()}: cannot receive its KV: {exc}")
             self.queues.prealloc.append(r)
         self.queues.reqs[r.rid] = r
 

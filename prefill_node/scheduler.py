@@ -47,7 +47,7 @@ from prefill_node.adder import PrefillAdder, order_waiting
 from prefill_node.req import ExtendEngine, PrefillCounters, PrefillQueues, PrefillReq, PrefillSchedConfig, SenderFactory
 from prefill_node.req import aux_record, ended_early, failed, input_error, local_answer, local_finish, pages_to_send
 from prefill_node.req import peek_prefix_len, room_ended
-from transfer.errors import TransferError
+from transfer.errors import RoomInUse, TransferError
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
@@ -112,15 +112,16 @@ class PrefillScheduler:
             return
         where = f"rid {msg.rid}" if msg.bootstrap_room is None else f"room {msg.bootstrap_room} (rid {msg.rid})"
         error = input_error(msg, self.memory, self.cfg.context_len)
-        sender = None
+        sender, status = None, 400
         if msg.bootstrap_room is not None:
             try:
                 sender = self.senders(msg.bootstrap_room)
-            except TransferError as exc:  # the room is another live request's: leave it alone
-                error = error or str(exc)
+            except TransferError as exc:  # e.g. the room is another live request's: leave it alone
+                if error is None:
+                    error, status = str(exc), 409 if isinstance(exc, RoomInUse) else 400
         if error is not None and sender is None:
             self.counters.rejected += 1
-            self.outbox.append(failed(msg.rid, f"{where}: {error}", 400, len(msg.input_ids)))
+            self.outbox.append(failed(msg.rid, f"{where}: {error}", status, len(msg.input_ids)))
             return
         req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), msg.sampling, sender)
         self.queues.reqs[req.rid] = req

@@ -53,7 +53,7 @@ from transfer.config import KVManagerConfig
 from transfer.control_auth import control_auth
 from transfer.decode_liveness import DecodeLiveness
 from transfer.descriptors import index_list
-from transfer.errors import TransferError
+from transfer.errors import RoomInUse, TransferError
 from transfer.fenced import Fenced, FencedRooms
 from transfer.handles import DecodeKVReceiver
 from transfer.peers import PeerCache
@@ -124,7 +124,7 @@ class DecodeKVManager:
         """``bootstrap_addr``: the prefill node's bootstrap server, "host:port"."""
         with self._lock:
             if room in self._rooms or room in self._fenced:
-                raise TransferError("room is already in flight (or fenced) on this decode rank", room)
+                raise RoomInUse("room is already in flight (or fenced) on this decode rank", room)
             self._rooms.insert_locked(DecodeRoom(room, bootstrap_addr, time.monotonic()))
         self._todo.put(room)
         return DecodeKVReceiver(self._rooms, self, room)

@@ -46,7 +46,7 @@ from transfer.bootstrap import with_cluster_secret
 from transfer.config import KVManagerConfig
 from transfer.control_auth import control_auth
 from transfer.descriptors import index_list
-from transfer.errors import TransferError
+from transfer.errors import RoomInUse, TransferError
 from transfer.handles import PrefillKVSender
 from transfer.poll import KVPoll
 from transfer.prefill_control import PrefillControl
@@ -125,7 +125,7 @@ class PrefillKVManager:
     def create_sender(self, room: int) -> PrefillKVSender:
         with self._lock:
             if room in self._rooms:
-                raise TransferError("room is already in flight on this prefill rank", room)
+                raise RoomInUse("room is already in flight on this prefill rank", room)
             r = self._rooms.insert_locked(PrefillRoom(room, time.monotonic()))
             self._control.adopt_locked(r)  # TransferInfos that came first; a failure decided already
         return PrefillKVSender(self._rooms, self, room)

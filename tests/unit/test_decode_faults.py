@@ -40,7 +40,7 @@ def test_duplicate_room_and_oversized_prompt_are_rejected_with_400() -> None:
     rig.add("b", prompt_of(2, 5), 3, room=1)
     rig.add("big", list(range(40)), 3, room=2)
     rig.step(complete=False)
-    assert rig.final("b").http_status == 400 and "already in flight" in (rig.final("b").error or "")
+    assert rig.final("b").http_status == 409 and "already in flight" in (rig.final("b").error or "")
     assert rig.final("big").http_status == 400 and "does not fit" in (rig.final("big").error or "")
     rig.run()
     assert rig.tokens("a") == reference(prompt_of(1, 5), 3)

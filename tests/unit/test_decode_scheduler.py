@@ -31,7 +31,7 @@ from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats
 from transfer.aux import AuxPool, AuxRecord
 from transfer.base import KVReceiver
-from transfer.errors import TransferError
+from transfer.errors import RoomInUse, TransferError
 from transfer.poll import KVPoll
 
 EOS = 99
@@ -141,7 +141,7 @@ class FakeHub:
 
     def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
         if room in self.rx and not self.rx[room].status.terminal:
-            raise TransferError("room is already in flight on this decode rank", room)
+            raise RoomInUse("room is already in flight on this decode rank", room)
         self.rx[room] = FakeReceiver(self, room)
         return self.rx[room]
 

@@ -29,7 +29,7 @@ from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
 from transfer.aux import AuxRecord
 from transfer.base import KVSender
-from transfer.errors import TransferError
+from transfer.errors import RoomInUse, TransferError
 from transfer.poll import KVPoll
 
 EOS = 99  # never sampled by the stub engine (its tokens are < 50)
@@ -82,7 +82,7 @@ class Senders:
 
     def __call__(self, room: int) -> StubSender:
         if room in self.by_room and not self.by_room[room].state.terminal:
-            raise TransferError("room is already in flight on this prefill rank", room)
+            raise RoomInUse("room is already in flight on this prefill rank", room)
         s = self.by_room[room] = StubSender(room)
         return s
 
@@ -284,7 +284,7 @@ def test_bad_input_is_rejected_before_any_pool_is_touched() -> None:
     assert node.sched.counters.rejected == 4 and node.sched.counters.failed == 0
     node.step(gen("ok", prompt(4), room=5))
     (dup,) = node.step(gen("dup", prompt(4), room=5))
-    assert dup.http_status == 400 and "already in flight" in (dup.error or "")
+    assert dup.http_status == 409 and "already in flight" in (dup.error or "")  # 409: the live one is left alone
     assert node.sender(5).aborts == [], "the live request owning the room is left alone"
     (dup,) = node.step(gen("dup2", [], room=5))
     assert dup.http_status == 400 and node.sender(5).aborts == []
