@@ -53,7 +53,7 @@ import msgspec
 
 from bootstrap_server.errors import BootstrapError, BootstrapUnreachable, RankNotRegistered
 from bootstrap_server.schema import PrefillLayout, RankInfo
-from common.auth import signed_headers
+from common.auth import CHALLENGE_HEADER, PROOF_HEADER, new_challenge, proof_matches, signed_headers
 
 DEFAULT_TIMEOUT_S = 5.0
 _MAX_RETRY_INTERVAL_S = 1.0
@@ -96,19 +96,29 @@ def _request(method: str, url: str, timeout_s: float, body: bytes | None = None,
     """One HTTP exchange; any status comes back, only transport failures raise."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     headers.update(signed_headers(secret, method, url, body or b""))
+    challenge = new_challenge() if secret else None
+    if challenge is not None:
+        headers[CHALLENGE_HEADER] = challenge
     try:
         req = urllib.request.Request(url, data=body, method=method, headers=headers)
         with _opener.open(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
+            status, data, answer = resp.status, resp.read(), resp.headers.get(PROOF_HEADER)
     except urllib.error.HTTPError as exc:  # a 4xx/5xx is an answer, not a transport failure
         with exc:
-            return exc.code, exc.read()
+            status, data, answer = exc.code, exc.read(), exc.headers.get(PROOF_HEADER)
     except urllib.error.URLError as exc:
         raise BootstrapUnreachable(f"bootstrap server unreachable: {exc.reason}", url=url) from exc
     except (OSError, http.client.HTTPException) as exc:  # timeouts, resets mid-answer
         raise BootstrapUnreachable(f"bootstrap server unreachable: {exc!r}", url=url) from exc
     except ValueError as exc:  # malformed URL
         raise BootstrapError(f"invalid bootstrap url: {exc}", url=url) from exc
+    if secret is not None and challenge is not None and not proof_matches(secret, challenge, answer, "registry"):
+        # Not our cluster's registry (a request's bootstrap_host naming a stranger's listener), or
+        # one with another secret: nothing it said is believed, so nothing is reserved or sent.
+        reason = _reason(data) if status == 401 else "no proof of the cluster secret in its answer"
+        raise BootstrapError(f"the bootstrap server is not this cluster's (it did not prove the cluster secret: "
+                             f"{reason})", url=url, status=401)
+    return status, data
 
 
 def _decode(body: bytes, type_: type[T], url: str) -> T:

@@ -29,7 +29,7 @@ import msgspec
 from aiohttp import web
 
 from bootstrap_server.client import bootstrap_url
-from common.auth import WWW_AUTHENTICATE, RefusalLog, RequestVerifier
+from common.auth import CHALLENGE_HEADER, PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
 from bootstrap_server.registry import Registry, RegistryConflict, format_key
 from bootstrap_server.schema import RankInfo
 
@@ -201,7 +201,16 @@ def _require_secret(secret: str):  # type: ignore[no-untyped-def]
         body = await request.read()  # bounded by client_max_size; the token covers it
         reason = verifier.check(request.headers.get("Authorization"), request.method, request.raw_path, body)
         if reason is None:
-            return await handler(request)
+            challenge = request.headers.get(CHALLENGE_HEADER)
+            # A node checks that this registry is its cluster's: every answer to it proves the secret.
+            proven = {PROOF_HEADER: proof(secret, challenge, "registry")} if challenge and len(challenge) <= 128 else {}
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:  # aiohttp's own answers (unknown path, wrong method)
+                exc.headers.update(proven)
+                raise
+            response.headers.update(proven)
+            return response
         refusals.refused(f"{request.method} {request.path} from {request.remote}: {reason}")
         return web.Response(status=401, body=_json.encode({"error": "the bootstrap registry requires a request "
                                                                     "token made from the cluster secret"}),

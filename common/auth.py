@@ -24,6 +24,10 @@ Before the router sends a worker anything that carries a token, the worker prove
 secret: the router's health probe carries a fresh challenge (``GET /health?challenge=<nonce>``)
 and a worker with the secret answers with ``X-PDC-Proof: HMAC(K_proof, nonce)`` (``proof``).
 A stranger's endpoint added as a worker gets no token, no prompt, nothing but the challenge.
+Likewise a registry proves the secret on every answer to a node (``X-PDC-Challenge`` in the
+request, the proof in the answer, a key of its own): a decode sent to a stranger's "registry" by a
+request's ``bootstrap_host`` fails that request at once, before it reserves a page or tells
+anyone where its buffers are.
 
 sglang-router 0.3.2 can only send its one ``--api-key`` as a bearer token; a node started with
 ``--accept-bearer-secret`` also accepts ``Authorization: Bearer <cluster secret>`` for that case
@@ -54,6 +58,7 @@ AUTHORIZATION = "Authorization"
 WWW_AUTHENTICATE = 'Bearer realm="pdcluster"'
 TOKEN_SCHEME = "PDC-HMAC"
 PROOF_HEADER = "X-PDC-Proof"
+CHALLENGE_HEADER = "X-PDC-Challenge"
 # How far a token's timestamp may be from the receiver's clock, either way. Wide enough for the
 # clock skew between pods and a request queued in a connection pool; every token seen inside it
 # is remembered, so a replay within the window is caught by its nonce instead.
@@ -62,7 +67,6 @@ TOKEN_WINDOW_S = 60.0
 # by a legitimate rate above MAX_NONCES / (2 * TOKEN_WINDOW_S) requests/s (~800/s per node).
 MAX_NONCES = 100_000
 _REQUEST_CONTEXT = b"pdcluster/http-request/v1"
-_PROOF_CONTEXT = b"pdcluster/worker-proof/v1"
 _REFUSAL_LOG_PERIOD_S = 10.0
 
 
@@ -261,15 +265,17 @@ class RequestVerifier:
         return None
 
 
-def proof(secret: str, challenge: str) -> str:
-    """What a worker with ``secret`` answers to the router's ``challenge`` (hex HMAC)."""
-    return hmac.new(_derive(secret, _PROOF_CONTEXT), challenge.encode("utf-8", "surrogateescape"),
-                    hashlib.sha256).hexdigest()
+def proof(secret: str, challenge: str, purpose: str = "worker") -> str:
+    """What a holder of ``secret`` answers to ``challenge`` (hex HMAC). ``purpose`` keys each kind
+    of proof apart: a node's open ``/health`` answers worker challenges, so a registry proof must
+    not be obtainable there (else a rogue registry could relay a decode's challenge to a node)."""
+    key = _derive(secret, f"pdcluster/{purpose}-proof/v1".encode())
+    return hmac.new(key, challenge.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
 
 
 def new_challenge() -> str:
     return secrets.token_hex(16)
 
 
-def proof_matches(secret: str, challenge: str, answer: str | None) -> bool:
-    return answer is not None and hmac.compare_digest(answer.strip(), proof(secret, challenge))
+def proof_matches(secret: str, challenge: str, answer: str | None, purpose: str = "worker") -> bool:
+    return answer is not None and hmac.compare_digest(answer.strip().encode(), proof(secret, challenge, purpose).encode())

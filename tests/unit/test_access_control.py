@@ -18,8 +18,8 @@ from bootstrap_server.client import deregister, list_ranks, lookup_layout, looku
 from bootstrap_server.errors import BootstrapError
 from bootstrap_server.server import BootstrapServer
 from common import envs
-from common.auth import (PROOF_HEADER, RequestSigner, RequestVerifier, SecretError, bearer_matches, new_challenge,
-                         proof_matches, resolve_secret, signed_headers)
+from common.auth import (CHALLENGE_HEADER, PROOF_HEADER, RequestSigner, RequestVerifier, SecretError, bearer_matches, new_challenge,
+                         proof, proof_matches, resolve_secret, signed_headers)
 from common.config import ConfigError
 from common.server.app import create_app
 from common.server.config import ApiConfig
@@ -279,3 +279,41 @@ def test_the_registry_refuses_registration_and_lookups_without_the_secret(regist
     assert _raw(registry, "DELETE", "/route?engine_rank=-1&target_dp_group=-1", {}) == 401
     assert len(registry.registry.ranks()) == 1  # the refused DELETE removed nothing
     assert deregister(registry.url, 0, 0, secret=SECRET) is True
+
+
+def test_a_node_believes_only_a_registry_that_proves_the_secret(registry: BootstrapServer) -> None:
+    """A request's bootstrap_host may name a stranger's listener: one that answers like a
+    registry but cannot prove the cluster secret is refused at once (nothing reserved, no KV
+    args sent). Its best try, relaying the challenge to a node's open /health, gets a worker
+    proof, which is no registry proof."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    asked: list[str] = []
+
+    class Rogue(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            asked.append(self.path)
+            body = json.dumps({"rank_ip": "127.0.0.1"}).encode()
+            self.send_response(200)
+            self.send_header(PROOF_HEADER, proof(SECRET, self.headers.get(CHALLENGE_HEADER) or "", "worker"))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None: ...
+
+    server = HTTPServer(("127.0.0.1", 0), Rogue)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(BootstrapError, match="not this cluster's") as err:
+            lookup_layout(f"http://127.0.0.1:{server.server_address[1]}", secret=SECRET)
+        assert err.value.status == 401 and asked  # it was asked, and not believed
+    finally:
+        server.shutdown()
+        server.server_close()
+    # The real registry proves it on every answer: a 200, and a 404 (not registered yet) alike.
+    with pytest.raises(BootstrapError) as missing:
+        lookup_rank(registry.url, 0, 0, timeout_s=0.3, secret=SECRET)
+    assert missing.value.status == 404, missing.value
+    register_rank(registry.url, rank(), secret=SECRET)
+    assert lookup_rank(registry.url, 0, 0, secret=SECRET).rank_port == rank().rank_port
