@@ -125,3 +125,46 @@ def test_a_client_with_the_key_is_served_exactly_and_strangers_are_refused(secur
 
     for n in s.cluster.nodes:  # the leak check
         wait_idle(n.url, secret=SECRET)
+
+
+def test_a_decode_aimed_at_a_strangers_registry_fails_fast_and_holds_nothing(secured: Secured) -> None:
+    """A request (signed, as the router would send it) whose bootstrap_host/port name a stranger's
+    listener: the decode asks it, does not believe it (no proof of the secret), and fails the
+    request within seconds without reserving pages or sending its KV args anywhere."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen: list[str] = []
+
+    class Rogue(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.path)
+            body = json.dumps({"rank_ip": "127.0.0.1", "rank_port": 1, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                               "page_size": 16}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None: ...
+
+    rogue = HTTPServer(("127.0.0.1", 0), Rogue)
+    threading.Thread(target=rogue.serve_forever, daemon=True).start()
+    try:
+        prompt = secured.tok.encode("where do my keys and values go?")
+        body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                           "bootstrap_host": "127.0.0.1", "bootstrap_port": rogue.server_address[1],
+                           "bootstrap_room": 424242}).encode()
+        url = secured.decode + "/generate"
+        t0 = time.monotonic()
+        r = httpx.post(url, content=body, timeout=TIMEOUT_S, headers={
+            "Content-Type": "application/json", **secured.cluster.node_headers("POST", url, body)})
+        assert r.status_code >= 500 and "cluster secret" in r.text, r.text
+        assert time.monotonic() - t0 < 10, "a stranger's registry must fail the request fast"
+        assert seen, "the decode never asked it (the test did not test anything)"
+    finally:
+        rogue.shutdown()
+        rogue.server_close()
+    wait_idle(secured.decode, secret=SECRET)
