@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from common import envs
 from common.config import CacheConfig, SchedulerConfig, TransferConfig
 from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from decode_node.req import DecodeSchedConfig
@@ -47,7 +48,7 @@ class DecodePart:
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: DecodeKVManager) -> tuple[DecodeScheduler, DecodeStats]:
         s, memory = self.sched, runner.memory
-        if self.transfer.backend != "fake":  # the fake backend moves no bytes: nothing to check
+        if self.transfer.backend != "fake" and envs.KV_INTEGRITY.get():  # the fake backend moves no bytes
             from common.engine.model_runner import page_digests
 
             memory.digests = page_digests(runner, self.transfer.cluster_secret)

@@ -176,8 +176,9 @@ class DecodeScheduler:
                 if not self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest):
                     # Not the KV the prefill computed (a write through the data plane, or a
                     # corrupted transfer): never decode from it. 502: the router may retry.
-                    self._fail(r, 502, f"{r.label()}: KV integrity check failed: the pages that arrived "
-                                       "differ from what the prefill computed (see /metrics "
+                    why = ("the prefill sent no KV digest (run both roles with the same PDC_KV_INTEGRITY)"
+                           if not rec.kv_digest else "the pages that arrived differ from what the prefill computed")
+                    self._fail(r, 502, f"{r.label()}: KV integrity check failed: {why} (see /metrics "
                                        "pdc_scheduler_kv_integrity_failures_total)")
                     continue
                 self.aux.free(r.aux_slot)

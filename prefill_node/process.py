@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common import envs
 from common.config import CacheConfig, SchedulerConfig, TransferConfig
 from prefill_node.adder import PrefillBudget
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
@@ -54,7 +55,8 @@ class PrefillPart:
         )
         from common.engine.model_runner import page_digests
 
-        runner.memory.digests = page_digests(runner, self.transfer.cluster_secret)  # checked before cache reuse
+        if envs.KV_INTEGRITY.get():  # checked before cache reuse, sent for the decode's check
+            runner.memory.digests = page_digests(runner, self.transfer.cluster_secret)
         scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg)
         return scheduler, PrefillStats(scheduler, manager.num_rooms)
 
