@@ -11,7 +11,9 @@ plus the operator's endpoints.
     GET  /metrics                                            Prometheus
 
 With ``--api-key`` every endpoint but /health, /readiness and /liveness needs it (router/auth.py);
-with ``--cluster-secret`` every request to a node carries it as a bearer token. One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
+with ``--cluster-secret`` every request to a node carries it as a bearer token. Request bodies are
+read under ``--max-payload-size`` / ``--body-timeout-s`` and a JSON nesting bound
+(common/aio_body.py); ``serve_options`` gives the server its header timeout. One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
 health probes and the load polls. Handlers are cancelled when their client disconnects, which
 closes both legs of its request.
 """
@@ -27,6 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from common.aio_body import BodyError, BodyLimits, read_json
 from common.auth import bearer
 from router import dashboard
 from router.auth import require_api_key
@@ -38,7 +41,6 @@ from router.policies import make_policy
 from router.rooms import Rooms
 from router.workers import Workers
 
-MAX_BODY_BYTES = 64 * 2**20  # long token-id prompts are large JSON
 MODELS_CACHE_S = 10.0
 
 
@@ -57,6 +59,7 @@ class Router:
                                    ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s),
                                    self.metrics)
         self.models: tuple[float, Any] | None = None  # (when fetched, body)
+        self.body_limits = BodyLimits(cfg.max_payload_size, cfg.body_timeout_s)
 
     def _forget(self, url: str) -> None:
         for policy in self.policies.values():
@@ -96,10 +99,13 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
         router = request.app[STATE]
         try:
             try:
-                body = json.loads(await request.read())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise RouterError(400, f"the body is not valid JSON: {exc}") from exc
+                body = await read_json(request, router.body_limits)  # 413, 408, 400 (too deep, not JSON)
+            except BodyError as exc:
+                raise RouterError(exc.status, exc.message) from exc
             info = inspect(endpoint, body)
+            n = info.sequences // (info.items or 1)
+            if n > router.cfg.max_n:
+                raise RouterError(400, f"'n' is {n}; this router allows at most {router.cfg.max_n} (--max-n)")
         except RouterError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             router.metrics.errors.labels(endpoint, "bad_request").inc()
@@ -134,7 +140,10 @@ async def list_workers(request: web.Request) -> web.Response:
 async def add_worker(request: web.Request) -> web.Response:
     router = request.app[STATE]
     try:
-        body = await request.json()
+        body = await read_json(request, router.body_limits)
+    except BodyError as exc:
+        return error_response(exc.status, exc.message)
+    try:
         if not isinstance(body, dict):
             raise ConfigError("the body must be a JSON object")
         role = body.get("role")
@@ -192,9 +201,9 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     try:
-        body = await request.json()
-    except ValueError:
-        return error_response(400, "the body is not valid JSON")
+        body = await read_json(request, request.app[STATE].body_limits)
+    except BodyError as exc:
+        return error_response(exc.status, exc.message)
     # The nodes' own rule, checked here: a body every node would refuse is the client's error
     # (400), not a failure of the workers (502). Found by tests/e2e/test_fuzz_http.py.
     if not isinstance(body, dict):
@@ -233,9 +242,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def serve_options(cfg: RouterConfig) -> dict[str, Any]:
+    """The server's (not the app's) options: aiohttp closes a connection whose request head has
+    not arrived ``keepalive_timeout`` after it opened or after its last response, so that is the
+    header timeout (slowloris; an idle keep-alive connection goes as soon)."""
+    return {"keepalive_timeout": cfg.header_timeout_s}
+
+
 def create_app(cfg: RouterConfig) -> web.Application:
     middlewares = [require_api_key(cfg.api_key)] if cfg.api_key else []
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    # client_max_size: aiohttp's own stop for a chunked body; read_json refuses a declared length first.
+    app = web.Application(client_max_size=cfg.max_payload_size, middlewares=middlewares)
     app[CONFIG] = cfg
     app.cleanup_ctx.append(_lifecycle)
     r = app.router
