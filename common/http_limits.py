@@ -18,15 +18,18 @@ from itertools import accumulate
 MAX_JSON_DEPTH = 64
 
 # The nodes' default body limit: a generous bound on the bytes one prompt token can take in a
-# JSON body. A token id is at most 7 digits plus ", "; a text token is a few characters, 6 bytes
-# each when \u-escaped (an emoji token: 12). 64 bytes per token covers both with room for
-# whitespace-heavy text; the floor leaves room for the fields around a short-context prompt.
-BYTES_PER_TOKEN = 64
+# JSON body. A token id is at most 7 digits plus ", "; an English text token is about 4 bytes, a
+# CJK one about 1.5 characters of 6 bytes each when \u-escaped. 32 bytes per token is 3-4 times
+# those; the floor leaves room for the fields around a short-context prompt. A 128k-context model
+# gets 4 MiB.
+BYTES_PER_TOKEN = 32
 MIN_NODE_BODY_BYTES = 1 << 20
 
-# The router's default: it sees whatever the nodes accept (a 128k-context model's default is
-# 8 MiB), and a 16 MiB JSON body parses in well under a second.
-ROUTER_MAX_BODY_BYTES = 16 << 20
+# The router's default. Decoding JSON holds the GIL, worker thread or not (json.loads is one C
+# call): 20-25 ms per MB on a busy 2-core machine, so a 4 MB body already stalled /health for
+# 80-100 ms. 2 MiB holds a 128k-token prompt as ids (~1 MB) or as text; raise it for longer
+# prompts, and accept that stall.
+ROUTER_MAX_BODY_BYTES = 2 << 20
 # The bootstrap registry's bodies are one RankInfo: a few hundred bytes.
 REGISTRY_MAX_BODY_BYTES = 64 << 10
 
