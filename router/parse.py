@@ -45,7 +45,7 @@ _INT = {int}
 def _all_ints(v: list) -> bool:
     """Every item a JSON integer (not a bool), checked in C: prompts are thousands of ids. (The
     API's ``common.server.parse_common.all_ints`` does the same; the router may import only
-    ``common.envs`` and ``common.auth``, see ARCHITECTURE "Packages".)"""
+    a few light ``common`` modules (no torch), see ARCHITECTURE "Packages".)"""
     return set(map(type, v)) <= _INT
 
 
