@@ -14,9 +14,11 @@ import logging
 import signal
 import sys
 
-from bootstrap_server.server import AsyncBootstrapServer
+from bootstrap_server.server import DEFAULT_LIMITS, AsyncBootstrapServer
 from common import envs
+from common.aio_body import BodyLimits
 from common.auth import SecretError, check_exposure, resolve_secret
+from common.http_limits import HEADER_TIMEOUT_S
 
 logger = logging.getLogger("bootstrap_server")
 
@@ -31,11 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file")
     parser.add_argument("--insecure", action="store_true", default=None,
                         help="listen on a non-loopback --host without a secret (default: PDC_INSECURE)")
+    parser.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+                        help="close a connection whose request head has not arrived this long after it opened or "
+                             "after its last response (default: %(default)s)")
+    parser.add_argument("--body-timeout-s", type=float, default=DEFAULT_LIMITS.timeout_s,
+                        help="a request body not in this long is a 408 (default: %(default)s)")
     return parser
 
 
-async def _serve(host: str, port: int, secret: str | None) -> None:
-    server = AsyncBootstrapServer(host, port, secret=secret)
+async def _serve(host: str, port: int, secret: str | None, header_timeout_s: float, body_timeout_s: float) -> None:
+    limits = BodyLimits(DEFAULT_LIMITS.max_bytes, body_timeout_s)
+    server = AsyncBootstrapServer(host, port, secret=secret, limits=limits, header_timeout_s=header_timeout_s)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         build_parser().error(f"--port {args.port} out of range")
+    if not (args.header_timeout_s > 0 and args.body_timeout_s > 0):
+        build_parser().error("--header-timeout-s and --body-timeout-s must be > 0")
     level = (args.log_level or envs.LOG_LEVEL.get()).upper()
     if not isinstance(logging.getLevelName(level), int):
         build_parser().error(f"--log-level {level!r}: expected DEBUG, INFO, WARNING or ERROR")
@@ -62,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(str(exc))
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(_serve(args.host, args.port, secret))
+        asyncio.run(_serve(args.host, args.port, secret, args.header_timeout_s, args.body_timeout_s))
     except OSError as exc:
         logger.error("%s", exc)
         return 1

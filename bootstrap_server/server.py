@@ -11,7 +11,9 @@ Routes (JSON bodies; every error is ``{"error": "<reason>"}``)::
     GET    /routes                                 every registered RankInfo (for operators)
     GET    /health                                 200 "OK" | 503 (the embedder's health check said no)
 
-With a cluster secret every route but ``GET /health`` needs a request token made from it
+A body is refused before it is read when it is larger than 64 KiB (413), too slow (408) or nested
+deeper than common/http_limits.py allows (400); a request head slower than the header timeout
+closes its connection. With a cluster secret every route but ``GET /health`` needs a request token made from it
 and answers 401 without it: registering or removing a rank redirects decodes' KV writes, and the
 routes name every rank's control and data-plane address.
 
@@ -29,7 +31,9 @@ import msgspec
 from aiohttp import web
 
 from bootstrap_server.client import bootstrap_url
+from common.aio_body import BodyError, BodyLimits, read_body
 from common.auth import CHALLENGE_HEADER, PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
+from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, REGISTRY_MAX_BODY_BYTES, json_too_deep
 from bootstrap_server.registry import Registry, RegistryConflict, format_key
 from bootstrap_server.schema import RankInfo
 
@@ -38,7 +42,9 @@ logger = logging.getLogger(__name__)
 HealthCheck = Callable[[], bool]
 REGISTRY_KEY = web.AppKey("registry", Registry)
 HEALTH_KEY: web.AppKey[HealthCheck] = web.AppKey("health_check")
-MAX_BODY_BYTES = 64 * 1024  # a RankInfo is a few hundred bytes
+LIMITS_KEY = web.AppKey("body_limits", BodyLimits)
+# A RankInfo is a few hundred bytes: a larger body is a 413 before it is read.
+DEFAULT_LIMITS = BodyLimits(REGISTRY_MAX_BODY_BYTES, BODY_TIMEOUT_S)
 _MAX_INDEX = 65535
 _json = msgspec.json.Encoder()
 
@@ -111,7 +117,14 @@ def _bad_query(handler: _Handler) -> _Handler:
 
 async def _put_route(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY_KEY]
-    body = await request.read()
+    limits = request.app[LIMITS_KEY]
+    try:
+        body = await read_body(request, limits)  # 413 over the limit, 408 too slow
+        reason = json_too_deep(body, limits.max_depth)
+        if reason is not None:
+            raise BodyError(400, reason)
+    except BodyError as exc:
+        return _error(exc.status, f"invalid registration: {exc.message}")
     try:
         info = msgspec.json.decode(body, type=RankInfo)
     except msgspec.ValidationError as exc:
@@ -198,7 +211,10 @@ def _require_secret(secret: str):  # type: ignore[no-untyped-def]
     async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
         if request.method == "GET" and request.path == "/health":
             return await handler(request)
-        body = await request.read()  # bounded by client_max_size; the token covers it
+        try:  # the token covers the body: read it here, under the same limits the routes use
+            body = await read_body(request, request.app[LIMITS_KEY])
+        except BodyError as exc:
+            return _error(exc.status, exc.message)
         reason = verifier.check(request.headers.get("Authorization"), request.method, request.raw_path, body)
         if reason is None:
             challenge = request.headers.get(CHALLENGE_HEADER)
@@ -220,14 +236,16 @@ def _require_secret(secret: str):  # type: ignore[no-untyped-def]
 
 
 def make_app(registry: Registry | None = None, health_check: HealthCheck | None = None,
-             secret: str | None = None) -> web.Application:
+             secret: str | None = None, limits: BodyLimits = DEFAULT_LIMITS) -> web.Application:
     """The aiohttp application; pass a ``registry`` to share it with in-process code.
 
     ``health_check`` lets an embedding process make ``/health`` (the decode's heartbeat target)
     fail when its scheduler is stuck although this server's thread still answers. ``secret``:
-    the cluster secret every other route requires (None: open).
+    the cluster secret every other route requires (None: open). ``limits``: how large and how slow
+    a body may be.
     """
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_require_secret(secret)] if secret else [])
+    app = web.Application(client_max_size=limits.max_bytes, middlewares=[_require_secret(secret)] if secret else [])
+    app[LIMITS_KEY] = limits
     app[REGISTRY_KEY] = registry if registry is not None else Registry()
     app[HEALTH_KEY] = health_check if health_check is not None else _always_healthy
     app.router.add_put("/route", _put_route)
@@ -262,8 +280,12 @@ class AsyncBootstrapServer:
         registry: Registry | None = None,
         health_check: HealthCheck | None = None,
         secret: str | None = None,
+        limits: BodyLimits = DEFAULT_LIMITS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         self.host = host
+        self._limits = limits
+        self._header_timeout_s = header_timeout_s
         self._requested_port = port
         self.registry = registry if registry is not None else Registry()
         self._health_check = health_check
@@ -286,8 +308,11 @@ class AsyncBootstrapServer:
         if self._runner is not None:
             raise RuntimeError("bootstrap server already started")
         sock = _listen_socket(self.host, self._requested_port)
-        # access_log=None: decode heartbeats hit /health every second per prefill.
-        runner = web.AppRunner(make_app(self.registry, self._health_check, self._secret), access_log=None, shutdown_timeout=1.0)
+        # access_log=None: decode heartbeats hit /health every second per prefill. aiohttp closes a
+        # connection whose request head has not arrived keepalive_timeout after it opened or after
+        # its last response: the header timeout (slowloris), idle keep-alive included.
+        runner = web.AppRunner(make_app(self.registry, self._health_check, self._secret, self._limits),
+                               access_log=None, shutdown_timeout=1.0, keepalive_timeout=self._header_timeout_s)
         try:
             await runner.setup()
             await web.SockSite(runner, sock).start()
@@ -327,9 +352,11 @@ class BootstrapServer:
         registry: Registry | None = None,
         health_check: HealthCheck | None = None,
         secret: str | None = None,
+        limits: BodyLimits = DEFAULT_LIMITS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         # health_check runs on the server's thread: keep it a cheap, thread-safe read.
-        self._server = AsyncBootstrapServer(host, port, registry, health_check, secret)
+        self._server = AsyncBootstrapServer(host, port, registry, health_check, secret, limits, header_timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 

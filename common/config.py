@@ -13,6 +13,7 @@ from typing import Literal
 
 from common import envs
 from common.cpu_budget import CpuConfig
+from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_N
 
 
 class ConfigError(ValueError):
@@ -146,6 +147,11 @@ class TransferConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
+    # The API's client input limits (defaults and reasons: common/http_limits.py).
+    max_payload_size: int | None = None  # None: from the context length
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_n: int = MAX_N
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:

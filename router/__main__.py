@@ -6,7 +6,7 @@ import sys
 
 from aiohttp import web
 
-from router.app import create_app
+from router.app import create_app, serve_options
 from router.config import ConfigError, parse_config
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long after SIGTERM
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.workers:
         logging.getLogger("router").warning("no workers given: add them with POST /workers")
     web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None,
-                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, loop=_event_loop())
+                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, loop=_event_loop(),
+                **serve_options(cfg))
     return 0
 
 

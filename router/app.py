@@ -12,7 +12,9 @@ plus the operator's endpoints.
 
 With ``--api-key`` every endpoint but /health, /readiness and /liveness needs it (router/auth.py);
 with ``--cluster-secret`` every request to a node carries a request token made from it, and a
-node is sent nothing before it proved the secret (router/node_auth.py). One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
+node is sent nothing before it proved the secret (router/node_auth.py). Request bodies are
+read under ``--max-payload-size`` / ``--body-timeout-s`` and a JSON nesting bound
+(common/aio_body.py); ``serve_options`` gives the server its header timeout. One ``aiohttp.ClientSession`` (one connection pool) carries every request to the workers, the
 health probes and the load polls. Handlers are cancelled when their client disconnects, which
 closes both legs of its request.
 """
@@ -28,18 +30,19 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from common.aio_body import BodyError, BodyLimits, decode_json, read_body, read_json
+from common.http_limits import INLINE_DECODE_BYTES
 from router import dashboard
 from router.auth import require_api_key
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_auth import sign_requests
-from router.parse import RouterError, inspect
+from router.parse import RequestInfo, RouterError, inspect
 from router.policies import make_policy
 from router.rooms import Rooms
 from router.workers import Worker, Workers
 
-MAX_BODY_BYTES = 64 * 2**20  # long token-id prompts are large JSON
 MODELS_CACHE_S = 10.0
 
 
@@ -58,6 +61,7 @@ class Router:
                                    ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s),
                                    self.metrics)
         self.models: tuple[float, Any] | None = None  # (when fetched, body)
+        self.body_limits = BodyLimits(cfg.max_payload_size, cfg.body_timeout_s)
 
     def _forget(self, url: str) -> None:
         for policy in self.policies.values():
@@ -92,15 +96,30 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 # ---- generation --------------------------------------------------------------------------------
 
 
+def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int) -> tuple[Any, RequestInfo]:
+    try:
+        body = decode_json(raw)  # 400: too deep, not JSON
+    except BodyError as exc:
+        raise RouterError(exc.status, exc.message) from exc
+    info = inspect(endpoint, body)
+    n = info.sequences // (info.items or 1)
+    if n > max_n:
+        raise RouterError(400, f"'n' is {n}; this router allows at most {max_n} (--max-n)")
+    return body, info
+
+
 def _generation(endpoint: str):  # type: ignore[no-untyped-def]
     async def handler(request: web.Request) -> web.StreamResponse:
         router = request.app[STATE]
         try:
             try:
-                body = json.loads(await request.read())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise RouterError(400, f"the body is not valid JSON: {exc}") from exc
-            info = inspect(endpoint, body)
+                raw = await read_body(request, router.body_limits)  # 413, 408
+            except BodyError as exc:
+                raise RouterError(exc.status, exc.message) from exc
+            if len(raw) > INLINE_DECODE_BYTES:  # decoding and inspecting 15 MB took the loop 0.6 s
+                body, info = await asyncio.to_thread(_decode_and_inspect, endpoint, raw, router.cfg.max_n)
+            else:
+                body, info = _decode_and_inspect(endpoint, raw, router.cfg.max_n)
         except RouterError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             router.metrics.errors.labels(endpoint, "bad_request").inc()
@@ -135,7 +154,10 @@ async def list_workers(request: web.Request) -> web.Response:
 async def add_worker(request: web.Request) -> web.Response:
     router = request.app[STATE]
     try:
-        body = await request.json()
+        body = await read_json(request, router.body_limits)
+    except BodyError as exc:
+        return error_response(exc.status, exc.message)
+    try:
         if not isinstance(body, dict):
             raise ConfigError("the body must be a JSON object")
         role = body.get("role")
@@ -200,9 +222,9 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     try:
-        body = await request.json()
-    except ValueError:
-        return error_response(400, "the body is not valid JSON")
+        body = await read_json(request, request.app[STATE].body_limits)
+    except BodyError as exc:
+        return error_response(exc.status, exc.message)
     # The nodes' own rule, checked here: a body every node would refuse is the client's error
     # (400), not a failure of the workers (502). Found by tests/e2e/test_fuzz_http.py.
     if not isinstance(body, dict):
@@ -241,9 +263,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def serve_options(cfg: RouterConfig) -> dict[str, Any]:
+    """The server's (not the app's) options: aiohttp closes a connection whose request head has
+    not arrived ``keepalive_timeout`` after it opened or after its last response, so that is the
+    header timeout (slowloris; an idle keep-alive connection goes as soon)."""
+    return {"keepalive_timeout": cfg.header_timeout_s}
+
+
 def create_app(cfg: RouterConfig) -> web.Application:
     middlewares = [require_api_key(cfg.api_key)] if cfg.api_key else []
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    # client_max_size: aiohttp's own stop for a chunked body; read_json refuses a declared length first.
+    app = web.Application(client_max_size=cfg.max_payload_size, middlewares=middlewares)
     app[CONFIG] = cfg
     app.cleanup_ctx.append(_lifecycle)
     r = app.router

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from common import envs
 from common.auth import SecretError, resolve_secret
+from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_N, ROUTER_MAX_BODY_BYTES
 
 POLICIES = ("least-loaded", "cache-aware", "power-of-two", "round-robin", "random")
 ROLES = ("prefill", "decode")
@@ -55,6 +56,12 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
     # Sent as "Authorization: Bearer <cluster_secret>" on every request to a node (None: nothing).
     cluster_secret: str | None = field(default=None, repr=False)
+    # Client input limits (common/http_limits.py): a larger body is a 413 before it is read; a
+    # request head (body) not in within the timeout closes the connection (is a 408).
+    max_payload_size: int = ROUTER_MAX_BODY_BYTES
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_n: int = MAX_N  # samples (OpenAI n) per prompt; more is a 400 here, before any node sees it
 
 
 class ConfigError(ValueError):
@@ -116,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cluster-secret", help="sent to the nodes as 'Authorization: Bearer SECRET' "
                     "(default: PDC_CLUSTER_SECRET; none: nothing sent)")
     ap.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file")
+    ap.add_argument("--max-payload-size", type=int, default=ROUTER_MAX_BODY_BYTES, metavar="BYTES",
+                    help="largest request body; a larger one is a 413 before it is read (default: %(default)s)")
+    ap.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+                    help="a connection whose request head has not arrived this long after it opened (or after "
+                         "its last response: idle keep-alive too) is closed (default: %(default)s)")
+    ap.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                    help="a request body not in this long after its head is a 408 (default: %(default)s)")
+    ap.add_argument("--max-n", type=int, default=MAX_N, help="most samples (n) per prompt (default: %(default)s)")
     return ap
 
 
@@ -135,7 +150,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                 "--health-check-interval-s": ns.health_check_interval_s,
                 "--health-check-timeout-s": ns.health_check_timeout_s,
                 "--load-poll-interval-s": ns.load_poll_interval_s, "--health-failure-threshold": ns.health_failure_threshold,
-                "--max-tree-chars": ns.max_tree_chars}
+                "--max-tree-chars": ns.max_tree_chars, "--max-payload-size": ns.max_payload_size,
+                "--header-timeout-s": ns.header_timeout_s, "--body-timeout-s": ns.body_timeout_s, "--max-n": ns.max_n}
     for flag, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
@@ -158,7 +174,9 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=ns.health_check_interval_s, health_failure_threshold=ns.health_failure_threshold,
         health_check_timeout_s=ns.health_check_timeout_s, load_poll_interval_s=ns.load_poll_interval_s,
         cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
-        log_level=ns.log_level, api_key=api_key, cluster_secret=cluster_secret)
+        log_level=ns.log_level, api_key=api_key, cluster_secret=cluster_secret,
+        max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
+        max_n=ns.max_n)
 
 
 def parse_config(argv: list[str]) -> RouterConfig:

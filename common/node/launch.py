@@ -47,6 +47,7 @@ from common.config import (
     resolve,
 )
 from common.cpu_budget import CpuBudgetError, CpuConfig, cpu_config
+from common.http_limits import BYTES_PER_TOKEN, MIN_NODE_BODY_BYTES
 from common.ipc.protocol import IpcEndpoints
 from common.node.process import RolePart, run_scheduler
 from common.server.config import ApiConfig
@@ -79,6 +80,14 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
                         f"spare each decode step a gather of the whole context (0: off) {d}")
     p.add_argument("--host", default="127.0.0.1", help=f"listen address; also what peers reach us on {d}")
     p.add_argument("--port", type=int, default=port, help=f"HTTP port {d}")
+    p.add_argument("--max-payload-size", type=int, metavar="BYTES",
+                   help=f"largest request body; a larger one is a 413 before it is read (default: "
+                        f"{BYTES_PER_TOKEN} bytes per context token, at least {MIN_NODE_BODY_BYTES})")
+    p.add_argument("--header-timeout-s", type=float, default=ServerConfig.header_timeout_s,
+                   help=f"close a connection whose request head has not arrived this long after it opened {d}")
+    p.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s,
+                   help=f"a request body not in this long after its head is a 408 {d}")
+    p.add_argument("--max-n", type=int, default=ServerConfig.max_n, help=f"most samples (n) per prompt {d}")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=TransferConfig.bootstrap_port,
                    help=f"prefill: embedded bootstrap server port; decode: port assumed when a request names none {d}")
     p.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"), help=d)
@@ -124,7 +133,8 @@ def transfer_config(ns: argparse.Namespace) -> TransferConfig:
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=ns.host, port=ns.port)
+    return ServerConfig(host=ns.host, port=ns.port, max_payload_size=ns.max_payload_size,
+                        header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s, max_n=ns.max_n)
 
 
 def attention_config(ns: argparse.Namespace) -> AttentionConfig:

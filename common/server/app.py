@@ -12,7 +12,8 @@ handlers, and the routes, which live one group per module, each adding its own f
 Generation endpoints parse and validate (400 before anything reaches the scheduler), then hand
 over to ``generation.serve``. Ops endpoints answer from config or from a scheduler query.
 With ``cfg.cluster_secret`` every route but /health needs a request token made from it
-(common/server/auth.py).
+(common/server/auth.py). Every body is read under the size and time limits of
+common/server/limits.py.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from common.server.auth import RequireClusterSecret
 from common.server.config import ApiConfig
 from common.server.context import VERSION, AppContext
 from common.server.errors import ApiError, error_response
+from common.server.limits import BodyLimit
 from common.server.metrics import ApiMetrics
 from common.ipc.scheduler_client import SchedulerClient
 from common.server.textio import TokenizerLike
@@ -56,6 +58,8 @@ def create_app(cfg: ApiConfig, scheduler: SchedulerClient, tokenizer: TokenizerL
     app.state.cfg, app.state.scheduler, app.state.tokenizer, app.state.metrics = cfg, scheduler, tokenizer, metrics
     if cfg.cluster_secret is not None:
         app.add_middleware(RequireClusterSecret, secret=cfg.cluster_secret, accept_bearer=cfg.accept_bearer_secret)
+    # Added last, so outermost: nothing reads a body before its size and time are checked.
+    app.add_middleware(BodyLimit, max_bytes=cfg.body_limit, timeout_s=cfg.body_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

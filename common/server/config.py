@@ -8,6 +8,7 @@ from typing import Literal
 
 from common.auth import is_loopback
 from common.config import ConfigError, NodeConfig
+from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_N, node_body_limit
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class ApiConfig:
     query_timeout_s: float = 5.0  # /get_load, /metrics, /debug/memory, /flush_cache
     health_generate_timeout_s: float = 20.0
     max_batch_size: int = 10000  # sub-requests per HTTP request (batch items x n)
+    # Client input limits (common/server/limits.py): bodies (None: from the context length,
+    # common.http_limits.node_body_limit), a request head's and a body's time, samples per prompt.
+    max_payload_size: int | None = None
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_n: int = MAX_N
     # Extra keys merged into /server_info (page size, max_total_tokens, ... from the launcher).
     server_info_extra: dict = field(default_factory=dict)
     # With a secret, every route but /health needs a request token made from it (repr=False).
@@ -42,6 +49,10 @@ class ApiConfig:
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
+    @property
+    def body_limit(self) -> int:
+        return self.max_payload_size if self.max_payload_size is not None else node_body_limit(self.context_length)
+
     def validate(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"role {self.role!r}: expected prefill or decode")
@@ -49,6 +60,12 @@ class ApiConfig:
             raise ConfigError(f"context length {self.context_length} must be >= 2")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} out of range")
+        if self.max_payload_size is not None and self.max_payload_size < 1:
+            raise ConfigError(f"--max-payload-size must be >= 1, got {self.max_payload_size}")
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ConfigError("--header-timeout-s and --body-timeout-s must be > 0")
+        if self.max_n < 1:
+            raise ConfigError(f"--max-n must be >= 1, got {self.max_n}")
 
     @classmethod
     def from_node_config(cls, cfg: NodeConfig, **extra: object) -> ApiConfig:
@@ -68,6 +85,10 @@ class ApiConfig:
             architectures=tuple(hf.get("architectures") or ()),
             host=cfg.server.host,
             port=cfg.server.port,
+            max_payload_size=cfg.server.max_payload_size,
+            header_timeout_s=cfg.server.header_timeout_s,
+            body_timeout_s=cfg.server.body_timeout_s,
+            max_n=cfg.server.max_n,
             bootstrap_port=cfg.transfer.bootstrap_port,
             cluster_secret=cfg.transfer.cluster_secret,
             accept_bearer_secret=cfg.transfer.accept_bearer_secret,

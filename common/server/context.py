@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from common.http_limits import json_too_deep
 from common.server.config import ApiConfig
 from common.server.errors import bad_request
 from common.server.generation import Inflight
@@ -39,14 +40,17 @@ class AppContext:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-async def read_json(request: Request) -> tuple[Any, int]:
-    """The parsed body and its size in bytes; a 400 ``ApiError`` when it is not valid JSON."""
-    raw = await request.body()
+def decode_json(raw: bytes) -> Any:
+    """``raw`` as JSON; a 400 ``ApiError`` when it nests too deep or is not valid JSON. Pure: the
+    POST routes run it in a worker thread for a large body."""
+    reason = json_too_deep(raw)  # before json.loads recurses: a 100k-deep body was a 500
+    if reason is not None:
+        raise bad_request(reason)
     try:
         # Strict UTF-8 (RFC 8259); json.loads(bytes) would let encoded surrogates through.
         text = raw.decode("utf-8-sig")
         body = json.loads(text)
-    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise bad_request(f"the body is not valid JSON: {exc}") from exc
     if _SURROGATE_ESCAPE.search(text):  # rare: then check every string (pairs are fine)
         try:
@@ -54,4 +58,11 @@ async def read_json(request: Request) -> tuple[Any, int]:
         except UnicodeEncodeError as exc:
             bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode()
             raise bad_request(f"the body contains an unpaired UTF-16 surrogate ({bad})") from exc
-    return body, len(raw)
+    return body
+
+
+async def read_json(request: Request) -> tuple[Any, int]:
+    """The parsed body and its size in bytes; a 400 ``ApiError`` when it is not valid JSON (the
+    size and time limits are the ``BodyLimit`` middleware's, which ``request.body()`` goes through)."""
+    raw = await request.body()
+    return decode_json(raw), len(raw)

@@ -10,12 +10,14 @@ import os
 from collections.abc import Callable
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from common import envs
 from common.cpu_budget import limit_api_process
 from common.ipc.protocol import IpcEndpoints
 from common.server.app import create_app
 from common.server.config import ApiConfig
+from common.server.limits import head_timeout_protocol
 from common.ipc.scheduler_client import SchedulerClient
 from common.server.textio import TokenizerLike
 
@@ -56,6 +58,7 @@ def run_api_server(cfg: ApiConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer
     app = create_app(cfg, client, tokenizer)
     level = envs.LOG_LEVEL.get().lower()
     # access_log off: one line per request costs more than the request on a tiny model. A bounded
-    # graceful shutdown: a long stream must not keep a stopping node alive.
+    # graceful shutdown: a long stream must not keep a stopping node alive. uvicorn has no header
+    # timeout of its own (a slowloris client held a connection forever): the protocol adds one.
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level, access_log=False, timeout_keep_alive=60,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=head_timeout_protocol(AutoHTTPProtocol, cfg.header_timeout_s))

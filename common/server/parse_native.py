@@ -67,6 +67,8 @@ def parse_generate(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedReque
         raise bad_request("every item of a batch must use the same 'n'")
     if n < 1:
         raise bad_request(f"'n' must be >= 1, got {n}")
+    if n > cfg.max_n:
+        raise bad_request(f"'n' is {n}; this server allows at most {cfg.max_n} (--max-n)")
     count = k * n
     if count > cfg.max_batch_size:
         raise bad_request(f"{count} sequences in one request; the limit is {cfg.max_batch_size}")

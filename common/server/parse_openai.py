@@ -52,6 +52,8 @@ def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
     assert n is not None
     if n < 1:
         raise bad_request(f"'n' must be >= 1, got {n}")
+    if n > cfg.max_n:
+        raise bad_request(f"'n' is {n}; this server allows at most {cfg.max_n} (--max-n)")
     best_of = get_int(body, "best_of")
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' different from 'n' is not supported by this server")

@@ -34,11 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--health-generate-timeout", type=float, default=20.0)
     p.add_argument("--scheduler-pid", type=int, help="fail requests with 503 once this pid is gone")
+    p.add_argument("--max-payload-size", type=int, help="largest body (default: from the context length)")
+    p.add_argument("--header-timeout-s", type=float, default=ApiConfig.header_timeout_s)
+    p.add_argument("--body-timeout-s", type=float, default=ApiConfig.body_timeout_s)
+    p.add_argument("--max-n", type=int, default=ApiConfig.max_n)
     args = p.parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ApiConfig.for_model_dir(args.role, args.model_path, port=args.port,
                                   bootstrap_port=args.disaggregation_bootstrap_port,
-                                  health_generate_timeout_s=args.health_generate_timeout)
+                                  health_generate_timeout_s=args.health_generate_timeout,
+                                  max_payload_size=args.max_payload_size, header_timeout_s=args.header_timeout_s,
+                                  body_timeout_s=args.body_timeout_s, max_n=args.max_n)
     alive = pid_alive(args.scheduler_pid) if args.scheduler_pid else None
     run_api_server(cfg, IpcEndpoints(args.to_scheduler, args.from_scheduler), scheduler_alive=alive)
     return 0

@@ -81,8 +81,9 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def spawn_node(tmp: Path, model_dir: str, role: str, alphabet: list[int], step_s: float,
-               watch_scheduler: bool = False) -> Node:
-    """Start the fake scheduler and the API process; ``wait_healthy`` waits for them."""
+               watch_scheduler: bool = False, extra: tuple[str, ...] = ()) -> Node:
+    """Start the fake scheduler and the API process (``extra``: more flags of _api_process.py);
+    ``wait_healthy`` waits for them."""
     tmp.mkdir(parents=True, exist_ok=True)
     ep = IpcEndpoints.fresh(str(tmp))
     log, stderr = tmp / "fake.jsonl", tmp / "stderr.txt"
@@ -96,7 +97,7 @@ def spawn_node(tmp: Path, model_dir: str, role: str, alphabet: list[int], step_s
     port = free_port()
     cmd = [sys.executable, str(HERE / "_api_process.py"), "--role", role, "--model-path", model_dir,
            "--port", str(port), "--to-scheduler", ep.to_scheduler, "--from-scheduler", ep.from_scheduler,
-           "--disaggregation-bootstrap-port", "8123", "--health-generate-timeout", "5"]
+           "--disaggregation-bootstrap-port", "8123", "--health-generate-timeout", "5", *extra]
     if watch_scheduler:
         cmd += ["--scheduler-pid", str(fake.pid)]
     try:

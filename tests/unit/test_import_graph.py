@@ -29,8 +29,8 @@ ALLOWED = {
 }
 # The router and the registry are light processes: of common they use only these (no torch).
 NARROW = {
-    "router": {"common", "common.envs", "common.auth"},
-    "bootstrap_server": {"common", "common.envs", "common.auth"},
+    "router": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body"},
+    "bootstrap_server": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body"},
 }
 # The command-line tools in common/tools/ are programs on top of the packages, not part of one:
 # they may import what the transfer layer's users may (the transfer benchmark drives the KV
