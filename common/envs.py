@@ -52,6 +52,7 @@ FAULT_STOP_BEFORE_WRITE_ROOM = EnvVar(
 ACCEPT_BEARER_SECRET = EnvVar("PDC_ACCEPT_BEARER_SECRET", False, "nodes also accept the cluster secret as a bearer token (for sglang-router); --accept-bearer-secret wins")
 INSECURE = EnvVar("PDC_INSECURE", False, "let a node or registry listen on a non-loopback address without a cluster secret; --insecure wins")
 KV_INTEGRITY = EnvVar("PDC_KV_INTEGRITY", True, "digest KV pages (prefill) and check what arrives (decode); both roles must agree")
+OPERATOR_KEY = EnvVar("PDC_OPERATOR_KEY", "", "the router's operator key, for adding/draining workers, /flush_cache, /abort_request; --operator-key[-file] wins")
 API_KEY = EnvVar("PDC_API_KEY", "", "the router's client API key (empty: off); --api-key[-file] wins")
 
 

@@ -33,7 +33,7 @@ from aiohttp import web
 from common.aio_body import BodyError, BodyLimits, decode_json, read_body, read_json
 from common.http_limits import INLINE_DECODE_BYTES
 from router import dashboard
-from router.auth import require_api_key
+from router.auth import require_keys
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -169,6 +169,11 @@ async def add_worker(request: web.Request) -> web.Response:
             raise ConfigError("a decode node has no bootstrap port")
     except (ValueError, ConfigError) as exc:
         return error_response(400, str(exc))
+    if not router.cfg.worker_allowed(url):
+        # Checked before anything contacts the URL: an operator key that leaks still cannot point
+        # the router at a host outside the allowlist.
+        return error_response(403, f"{url} is outside --worker-allow {list(router.cfg.worker_allow)}: not added, "
+                                   "not contacted")
     try:
         w = router.workers.add(WorkerSpec(url, role, port))
     except ValueError as exc:
@@ -271,7 +276,7 @@ def serve_options(cfg: RouterConfig) -> dict[str, Any]:
 
 
 def create_app(cfg: RouterConfig) -> web.Application:
-    middlewares = [require_api_key(cfg.api_key)] if cfg.api_key else []
+    middlewares = [require_keys(cfg.api_key, cfg.operator_key)] if cfg.api_key or cfg.operator_key else []
     # client_max_size: aiohttp's own stop for a chunked body; read_json refuses a declared length first.
     app = web.Application(client_max_size=cfg.max_payload_size, middlewares=middlewares)
     app[CONFIG] = cfg

@@ -11,11 +11,13 @@ its own slice of it) and never reads ``argv`` or the environment (the two secret
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from common import envs
-from common.auth import SecretError, resolve_secret
+from common.auth import SecretError, is_loopback, resolve_secret
 from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, MAX_N, ROUTER_MAX_BODY_BYTES
 
 POLICIES = ("least-loaded", "cache-aware", "power-of-two", "round-robin", "random")
@@ -54,14 +56,47 @@ class RouterConfig:
     log_level: str = "info"
     # Clients must send "Authorization: Bearer <api_key>" (None: open). repr=False: never logged.
     api_key: str | None = field(default=None, repr=False)
-    # Sent as "Authorization: Bearer <cluster_secret>" on every request to a node (None: nothing).
+    # The operator endpoints (router/auth.py) need "Authorization: Bearer <operator_key>".
+    operator_key: str | None = field(default=None, repr=False)
+    # Request tokens made from it go to the nodes (router/node_auth.py); never sent itself.
     cluster_secret: str | None = field(default=None, repr=False)
+    # Hosts POST /workers may add ("host", "host:port", "*.suffix", "10.0.0.0/8"; () = any); the
+    # command line's workers are allowed whatever it says.
+    worker_allow: tuple[str, ...] = ()
     # Client input limits (common/http_limits.py): a larger body is a 413 before it is read; a
     # request head (body) not in within the timeout closes the connection (is a 408).
     max_payload_size: int = ROUTER_MAX_BODY_BYTES
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     max_n: int = MAX_N  # samples (OpenAI n) per prompt; more is a 400 here, before any node sees it
+
+
+    def worker_allowed(self, url: str) -> bool:
+        """Whether ``POST /workers`` may add ``url`` (``worker_allow``; any with an empty list)."""
+        if not self.worker_allow or any(w.url == url for w in self.workers):
+            return True
+        parts = urlsplit(url)
+        host, port = (parts.hostname or "").lower(), parts.port
+        for pattern in self.worker_allow:
+            p_host, _, p_port = pattern.lower().rpartition(":") if _has_port(pattern) else (pattern.lower(), "", "")
+            if p_port and p_port != "*" and str(port) != p_port:
+                continue
+            if "/" in p_host:
+                try:
+                    if ipaddress.ip_address(host) in ipaddress.ip_network(p_host, strict=False):
+                        return True
+                except ValueError:
+                    continue
+            elif fnmatch.fnmatchcase(host, p_host.strip("[]")):
+                return True
+        return False
+
+
+def _has_port(pattern: str) -> bool:
+    """``host:port`` (or ``[v6]:port``), not a bare IPv6 address or CIDR."""
+    if pattern.startswith("["):
+        return "]:" in pattern
+    return pattern.count(":") == 1
 
 
 class ConfigError(ValueError):
@@ -120,7 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (default: PDC_API_KEY; "
                     "none: open). A flag shows in `ps`: prefer the variable or --api-key-file")
     ap.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file (a mounted Secret)")
-    ap.add_argument("--cluster-secret", help="sent to the nodes as 'Authorization: Bearer SECRET' "
+    ap.add_argument("--operator-key", help="the operator endpoints (add or drain workers, /flush_cache, "
+                    "/abort_request) need 'Authorization: Bearer KEY' (default: PDC_OPERATOR_KEY; none: they are "
+                    "open only if --api-key is unset too)")
+    ap.add_argument("--operator-key-file", metavar="PATH", help="read the operator key from this file")
+    ap.add_argument("--insecure", action="store_true",
+                    help="listen on a non-loopback --host with neither --api-key nor --operator-key")
+    ap.add_argument("--worker-allow", action="append", default=[], metavar="PATTERN",
+                    help="hosts POST /workers may add: host, host:port, *.suffix, or a CIDR; repeatable "
+                         "(default: any host; the command line's workers are always allowed)")
+    ap.add_argument("--cluster-secret", help="request tokens made from it go to the nodes; it is never sent "
                     "(default: PDC_CLUSTER_SECRET; none: nothing sent)")
     ap.add_argument("--cluster-secret-file", metavar="PATH", help="read the cluster secret from this file")
     ap.add_argument("--max-payload-size", type=int, default=ROUTER_MAX_BODY_BYTES, metavar="BYTES",
@@ -163,10 +207,20 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--port {ns.port} is not a port number")
     try:
         api_key = resolve_secret(ns.api_key, ns.api_key_file, envs.API_KEY, "--api-key")
+        operator_key = resolve_secret(ns.operator_key, ns.operator_key_file, envs.OPERATOR_KEY, "--operator-key")
         cluster_secret = resolve_secret(ns.cluster_secret, ns.cluster_secret_file, envs.CLUSTER_SECRET,
                                         "--cluster-secret")
     except SecretError as exc:
         raise ConfigError(str(exc)) from exc
+    if api_key is None and operator_key is None and not is_loopback(ns.host) and not ns.insecure:
+        raise ConfigError(f"--host {ns.host} is reachable from other machines and this router has no key: anyone "
+                          "could generate, add workers or abort every stream. Set PDC_API_KEY and "
+                          "PDC_OPERATOR_KEY (or their flags), or pass --insecure to run open anyway")
+    if api_key is not None and api_key == operator_key:
+        raise ConfigError("--operator-key must differ from --api-key: a client key must not be an operator's")
+    for pattern in ns.worker_allow:
+        if not pattern or any(c.isspace() for c in pattern):
+            raise ConfigError(f"--worker-allow {pattern!r}: expected host, host:port, *.suffix or a CIDR")
     return RouterConfig(
         host=ns.host, port=ns.port, workers=tuple(workers),
         prefill_policy=ns.prefill_policy or ns.policy, decode_policy=ns.decode_policy or ns.policy,
@@ -174,7 +228,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=ns.health_check_interval_s, health_failure_threshold=ns.health_failure_threshold,
         health_check_timeout_s=ns.health_check_timeout_s, load_poll_interval_s=ns.load_poll_interval_s,
         cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
-        log_level=ns.log_level, api_key=api_key, cluster_secret=cluster_secret,
+        log_level=ns.log_level, api_key=api_key, operator_key=operator_key, worker_allow=tuple(ns.worker_allow),
+        cluster_secret=cluster_secret,
         max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
         max_n=ns.max_n)
 

@@ -88,6 +88,7 @@ class LocalCluster:
     # None: open to anyone. The defaults are what the children would inherit from our environment.
     cluster_secret: str | None = field(default_factory=lambda: envs.CLUSTER_SECRET.get() or None, repr=False)
     api_key: str | None = field(default_factory=lambda: envs.API_KEY.get() or None, repr=False)
+    operator_key: str | None = field(default_factory=lambda: envs.OPERATOR_KEY.get() or None, repr=False)
     _router_kind: str = field(default="ours", init=False, repr=False)
 
     def headers(self) -> dict[str, str]:
@@ -197,6 +198,8 @@ class LocalCluster:
                 env["PDC_ACCEPT_BEARER_SECRET"] = "1"
         if self.api_key and name == "router":
             env["PDC_API_KEY"] = self.api_key
+        if self.operator_key and name == "router":
+            env["PDC_OPERATOR_KEY"] = self.operator_key
         env["PYTHONPATH"] = os.pathsep.join(p for p in (CODE_ROOT, env.get("PYTHONPATH")) if p)
         self.argv[name] = argv
         log: IO[str] | None = None

@@ -10,10 +10,12 @@ Ctrl-C or SIGTERM, then stops every child by process group. ``--demo`` sends one
 through the router, prints the answer and both kinds of node's memory report, and shuts down.
 
 Secure by default: without ``--cluster-secret`` (or ``PDC_CLUSTER_SECRET``) it makes one for this
-run, writes it to ``cluster-secret`` (mode 0600) in a run directory of its own (mode 0700) and
-hands it to the children in their environment, so a node, the registry and the control plane
-answer only the router and each other. ``--insecure`` runs them open instead. The router's
-client key stays off unless ``--api-key`` (or ``PDC_API_KEY``) is given.
+run, and an operator key for the router unless ``--operator-key`` / ``PDC_OPERATOR_KEY`` names
+one. Each is written (mode 0600) to a run directory of its own (mode 0700) and handed to the
+children in their environment: a node, the registry and the control plane answer only the router
+and each other, and adding or draining workers, ``/flush_cache`` and ``/abort_request`` need the
+operator key (workers only on this machine). ``--insecure`` runs everything open instead. The
+router's client key stays off unless ``--api-key`` (or ``PDC_API_KEY``) is given.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import time
 import urllib.request
 
 from common import envs
-from common.auth import SecretError, resolve_secret
+from common.auth import SecretError, is_loopback, resolve_secret
 from common.tools.local_cluster import ROUTERS, LocalCluster, get_json
 
 
@@ -63,15 +65,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--api-key", help="clients of the router must send 'Authorization: Bearer KEY' (default: PDC_API_KEY)")
     ap.add_argument("--cluster-secret", help="nodes, registry and control plane require it (default: PDC_CLUSTER_SECRET, "
                     "else one made for this run)")
-    ap.add_argument("--insecure", action="store_true", help="no cluster secret: nodes and registry answer anyone")
+    ap.add_argument("--operator-key", help="the router's operator endpoints need it (default: PDC_OPERATOR_KEY, "
+                    "else one made for this run)")
+    ap.add_argument("--insecure", action="store_true", help="no cluster secret and no operator key: everything "
+                    "answers anyone who can reach it")
     args = ap.parse_args(argv)
     try:
         args.api_key = resolve_secret(args.api_key, None, envs.API_KEY, "--api-key")
+        args.operator_key = resolve_secret(args.operator_key, None, envs.OPERATOR_KEY, "--operator-key")
         args.cluster_secret = resolve_secret(args.cluster_secret, None, envs.CLUSTER_SECRET, "--cluster-secret")
     except SecretError as exc:
         ap.error(str(exc))
-    if args.insecure and args.cluster_secret:
-        ap.error("--insecure runs without a cluster secret: drop one of them")
+    if args.insecure and (args.cluster_secret or args.operator_key):
+        ap.error("--insecure runs without a cluster secret or operator key: drop one of them")
     if args.num_prefill < 1 or args.num_decode < 1:
         ap.error("--num-prefill and --num-decode must be >= 1")
     if args.demo and args.router == "none":
@@ -79,10 +85,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run_secret(run_dir: str) -> str:
-    """A new cluster secret, also written to ``run_dir/cluster-secret`` readable by its owner only."""
+def run_secret(run_dir: str, name: str) -> str:
+    """A new secret, also written to ``run_dir/name`` readable by its owner only."""
     secret = secrets.token_hex(32)
-    path = os.path.join(run_dir, "cluster-secret")
+    path = os.path.join(run_dir, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
@@ -103,12 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model_path or tiny_model_dir()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     run_dir = tempfile.mkdtemp(prefix="pdcluster-up-")  # 0700
-    secret = args.cluster_secret
-    if secret is None and not args.insecure:
-        secret = run_secret(run_dir)
-        print(f"cluster secret: made for this run, in {os.path.join(run_dir, 'cluster-secret')} (0600)", flush=True)
-    cluster = LocalCluster(cluster_secret=secret, api_key=args.api_key)
-    router_args = ["--policy", args.policy] if args.router == "ours" else []
+    secret, operator_key = args.cluster_secret, args.operator_key
+    if not args.insecure:
+        if secret is None:
+            secret = run_secret(run_dir, "cluster-secret")
+            print(f"cluster secret: made for this run, in {os.path.join(run_dir, 'cluster-secret')} (0600)", flush=True)
+        if operator_key is None and args.router == "ours":
+            operator_key = run_secret(run_dir, "operator-key")
+            print(f"operator key  : made for this run, in {os.path.join(run_dir, 'operator-key')} (0600)", flush=True)
+    cluster = LocalCluster(cluster_secret=secret, api_key=args.api_key, operator_key=operator_key)
+    router_args = ["--policy", args.policy, "--worker-allow", "127.0.0.1", "--worker-allow", "localhost",
+                   "--worker-allow", "[::1]"] if args.router == "ours" else []
+    if args.insecure and args.router == "ours" and not is_loopback(args.host):
+        router_args.append("--insecure")
     try:
         url = cluster.start(model, backend=args.transfer_backend, page_size=args.page_size,
                             num_prefill=args.num_prefill, num_decode=args.num_decode, router=args.router,

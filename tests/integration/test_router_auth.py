@@ -9,6 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from router.auth import OPERATOR_ROUTES
 from tests.integration.test_router_http import GEN, Fake, ok_decode, ok_prefill, router_over
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -16,6 +17,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 KEY = "client-api-key-0123456789abcdef"
 SECRET = "cluster-secret-0123456789abcdef"
 GOOD = {"Authorization": f"Bearer {KEY}"}
+OPERATOR = "operator-key-0123456789abcdef"
+OP = {"Authorization": f"Bearer {OPERATOR}"}
 GUARDED = [("POST", "/generate", GEN), ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
            ("GET", "/v1/models", None), ("GET", "/workers", None), ("POST", "/workers", {}),
@@ -41,20 +44,24 @@ def test_api_key_guards_every_endpoint_but_the_probes() -> None:
                     for headers in bad_headers:
                         status, out, resp_headers = await _call(anonymous, c.url, method, path, payload, headers)
                         assert status == 401, f"{method} {path} with {headers}: {status} {out}"
-                        assert out == {"error": {"message": "missing or invalid API key: send 'Authorization: "
-                                                            "Bearer <key>'", "type": "AuthenticationError", "code": 401}}
+                        which = "operator key" if (method, path.partition("?")[0]) in OPERATOR_ROUTES else "API key"
+                        want = "Bearer <operator key>'" if which == "operator key" else "Bearer <key>'"
+                        assert out == {"error": {"message": f"missing or invalid {which}: send 'Authorization: " + want,
+                                                 "type": "AuthenticationError", "code": 401}}
                         assert resp_headers["WWW-Authenticate"].startswith("Bearer")
                 for path in ("/health", "/readiness", "/liveness"):
                     status, _, _ = await _call(anonymous, c.url, "GET", path, None, {})
                     assert status == 200, path
             # nothing refused reached a worker
             assert all(not f.received and not f.other for f in c.prefills + c.decodes)
-            # the key opens everything (the scheme is case-insensitive, as RFC 6750 says)
+            # the key opens every client endpoint (the scheme is case-insensitive, as RFC 6750 says)
             assert (await c.post("/generate", GEN))[0] == 200
             status, _, _ = await _call(c.session, c.url, "POST", "/v1/chat/completions",
                                        {"messages": [{"role": "user", "content": "hi"}]}, {"Authorization": f"bearer {KEY}"})
             assert status == 200
-            assert (await c.post("/flush_cache", {}))[0] == 200
+            # ... and no operator endpoint: without an operator key they are off for everyone
+            status, out = await c.post("/flush_cache", {})
+            assert status == 403 and "no operator key" in out["error"]["message"], out  # type: ignore[index]
             async with c.session.get(c.url + "/metrics") as r:
                 assert r.status == 200 and "pdc_router_requests_total" in await r.text()
 
@@ -63,8 +70,8 @@ def test_api_key_guards_every_endpoint_but_the_probes() -> None:
 
 def test_the_cluster_secret_reaches_every_node_request_and_the_api_key_none() -> None:
     async def body() -> None:
-        async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--cluster-secret", SECRET,
-                               headers=GOOD) as c:
+        async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--operator-key", OPERATOR,
+                               "--cluster-secret", SECRET, headers=OP) as c:
             assert (await c.post("/generate", GEN))[0] == 200
             assert (await c.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}))[0] == 200
             assert (await c.post("/flush_cache", {}))[0] == 200
@@ -76,7 +83,7 @@ def test_the_cluster_secret_reaches_every_node_request_and_the_api_key_none() ->
                 # The secret itself never travels: probes carry nothing, everything else a request
                 # token that the node accepts once (common/auth.py) and that names no secret.
                 assert {a for p, a in f.auth if p == "/health"} == {None}, f.auth
-                assert all(a is not None and a.startswith("PDC-HMAC ") and SECRET not in a and KEY not in a
+                assert all(a is not None and a.startswith("PDC-HMAC ") and SECRET not in a and KEY not in a and OPERATOR not in a
                            for p, a in f.auth if p != "/health"), f.auth
                 assert f.verdicts and all(why is None for _, why in f.verdicts), f.verdicts
 
@@ -111,8 +118,8 @@ def test_a_worker_that_cannot_prove_the_secret_is_sent_nothing_but_the_challenge
     async def body() -> None:
         stranger = await Fake(ok_decode).start()  # no secret: cannot answer the challenge
         try:
-            async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--cluster-secret", SECRET,
-                                   "--decode", stranger.url, headers=GOOD) as c:
+            async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--operator-key", OPERATOR,
+                                   "--cluster-secret", SECRET, "--decode", stranger.url, headers=OP) as c:
                 await asyncio.sleep(0.5)  # several probe rounds
                 for _ in range(4):
                     assert (await c.post("/generate", GEN))[0] == 200
@@ -127,3 +134,50 @@ def test_a_worker_that_cannot_prove_the_secret_is_sent_nothing_but_the_challenge
             await stranger.stop()
 
     asyncio.run(body())
+
+
+def test_a_client_key_cannot_add_drain_flush_or_abort_and_the_operator_key_can() -> None:
+    """A client key holder used to be able to add its own URL as a worker (and receive users'
+    prompts), drain the real ones, flush caches and abort every stream: now 403, nothing changed."""
+    async def body() -> None:
+        async with router_over([ok_prefill], [ok_decode], "--api-key", KEY, "--operator-key", OPERATOR,
+                               "--worker-allow", "127.0.0.1", headers=GOOD) as c:
+            before = await c.workers()
+            attempts = [("POST", "/workers", {"url": "http://127.0.0.1:9", "role": "decode"}),
+                        ("DELETE", f"/workers?url={c.decodes[0].url}", None), ("POST", "/flush_cache", {}),
+                        ("POST", "/abort_request", {"abort_all": True})]
+            async with aiohttp.ClientSession() as s:
+                for method, path, payload in attempts:
+                    status, out, _ = await _call(s, c.url, method, path, payload, GOOD)
+                    assert status == 403 and "operator key" in out["error"]["message"], (path, status, out)
+                    status, _, _ = await _call(s, c.url, method, path, payload, {})
+                    assert status == 401, path
+                assert await c.workers() == before and not any(f.other for f in c.prefills + c.decodes)
+                # The operator key: everything, client endpoints included.
+                status, out, _ = await _call(s, c.url, "POST", "/flush_cache", {}, OP)
+                assert status == 200, out
+                status, _, _ = await _call(s, c.url, "POST", "/generate", GEN, OP)
+                assert status == 200
+                # An added URL must match --worker-allow, checked before it is contacted.
+                status, out, _ = await _call(s, c.url, "POST", "/workers",
+                                             {"url": "http://10.9.9.9:30001", "role": "decode"}, OP)
+                assert status == 403 and "--worker-allow" in out["error"]["message"], out
+                status, out, _ = await _call(s, c.url, "POST", "/workers",
+                                             {"url": "http://127.0.0.1:9", "role": "decode"}, OP)
+                assert status == 200, out
+
+    asyncio.run(body())
+
+
+def test_worker_allow_patterns() -> None:
+    from router.config import RouterConfig, WorkerSpec
+
+    cfg = RouterConfig(workers=(WorkerSpec("http://given.example:1", "decode"),),
+                       worker_allow=("127.0.0.1", "*.decode.svc:30001", "10.0.0.0/8", "[::1]:8000"))
+    allowed = ["http://127.0.0.1:5", "http://d-0.decode.svc:30001", "http://10.1.2.3:80", "http://[::1]:8000",
+               "http://given.example:1"]
+    refused = ["http://127.0.0.2:5", "http://d-0.decode.svc:30002", "http://evil.example:30001",
+               "http://11.0.0.1:80", "http://[::1]:8001", "http://x.decode.svc.evil.example:30001"]
+    assert all(cfg.worker_allowed(u) for u in allowed), [u for u in allowed if not cfg.worker_allowed(u)]
+    assert not any(cfg.worker_allowed(u) for u in refused), [u for u in refused if cfg.worker_allowed(u)]
+    assert RouterConfig().worker_allowed("http://anything:1")  # no list: the operator key is the gate

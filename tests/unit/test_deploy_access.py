@@ -95,8 +95,8 @@ def test_the_base_ships_no_usable_secret() -> None:
     """The base's pdcluster-auth values are public placeholders: a pod started with one refuses
     to start (exit 2 naming the variable), instead of running with a secret everyone knows."""
     text = (K8S / "base" / "kustomization.yaml").read_text()
-    values = re.findall(r"^\s+- (?:cluster-secret|api-key)=(\S+)$", text, re.M)
-    assert len(values) == 2, values
+    values = re.findall(r"^\s+- (?:cluster-secret|api-key|operator-key)=(\S+)$", text, re.M)
+    assert len(values) == 3, values
     for value in values:
         with pytest.raises(SecretError, match="placeholder"):
             check_secret(value, "PDC_CLUSTER_SECRET")

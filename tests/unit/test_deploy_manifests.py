@@ -318,8 +318,11 @@ def _parse_our_router(argv: list[str]) -> tuple[list[tuple[str, int | None]], li
     """(prefill (url, bootstrap port) list, decode url list) as our router's parser reads them."""
     from router.config import ConfigError, parse_config
 
+    keys = {"PDC_API_KEY": "an-overlay-api-key-0123456789abcdef",
+            "PDC_OPERATOR_KEY": "an-overlay-operator-key-0123456789abcdef"}  # from the Secret, in a pod
     try:
-        cfg = parse_config(argv)
+        with mock.patch.dict(os.environ, keys):
+            cfg = parse_config(argv)
     except (SystemExit, ConfigError) as exc:
         raise AssertionError(f"pdcluster router rejects the manifest's args {argv}: {exc}") from exc
     return ([(w.url, w.bootstrap_port) for w in cfg.workers if w.role == "prefill"],

@@ -21,10 +21,22 @@ from router.workers import Worker, Workers
 def test_flags_in_sglang_router_shapes() -> None:
     cfg = parse_config(["--host", "0.0.0.0", "--port", "9000", "--prefill", "http://p0:30000", "8998",
                         "--prefill", "http://p1:30000/", "--decode", "http://d0:30001", "--policy", "power-of-two",
-                        "--prefill-policy", "cache-aware", "--pd-disaggregation"])
+                        "--prefill-policy", "cache-aware", "--pd-disaggregation", "--insecure"])
     assert cfg.workers == (WorkerSpec("http://p0:30000", "prefill", 8998), WorkerSpec("http://p1:30000", "prefill", None),
                            WorkerSpec("http://d0:30001", "decode"))
     assert (cfg.prefill_policy, cfg.decode_policy, cfg.port) == ("cache-aware", "power-of-two", 9000)
+
+
+def test_a_router_open_to_the_network_needs_a_key_or_insecure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDC_API_KEY", raising=False)
+    monkeypatch.delenv("PDC_OPERATOR_KEY", raising=False)
+    with pytest.raises(ConfigError, match="no key"):
+        parse_config(["--host", "0.0.0.0", "--decode", "http://d0:30001"])
+    assert parse_config(["--host", "127.0.0.1", "--decode", "http://d0:30001"]).api_key is None  # loopback: fine
+    key = "client-key-0123456789abcdef"
+    assert parse_config(["--host", "0.0.0.0", "--api-key", key]).api_key == key
+    with pytest.raises(ConfigError, match="must differ"):
+        parse_config(["--api-key", key, "--operator-key", key])
 
 
 @pytest.mark.parametrize("argv, what", [
