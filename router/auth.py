@@ -6,7 +6,7 @@
                                      stream); a client key there is a 403, no key a 401
     everything else                  a client key (the API key) or the operator key:
                                      generation, /v1/models, GET /workers, info, /metrics,
-                                     the dashboard
+                                     the dashboard (open when no API key is set)
 
 ``Authorization: Bearer <key>`` (what OpenAI clients send); 401 in the OpenAI error shape
 otherwise. Without an operator key the operator endpoints are open only where the whole router
@@ -59,7 +59,7 @@ def require_keys(api_key: str | None, operator_key: str | None):  # type: ignore
                        else "this router has no operator key (--operator-key): its operator endpoints are off")
                 return refuse(request, 403, why)
             return refuse(request, 401, "missing or invalid operator key: send 'Authorization: Bearer <operator key>'")
-        if is_client or is_operator:
+        if is_client or is_operator or api_key is None:  # no API key: the client endpoints are open
             return await handler(request)
         return refuse(request, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
 

@@ -181,3 +181,17 @@ def test_worker_allow_patterns() -> None:
     assert all(cfg.worker_allowed(u) for u in allowed), [u for u in allowed if not cfg.worker_allowed(u)]
     assert not any(cfg.worker_allowed(u) for u in refused), [u for u in refused if cfg.worker_allowed(u)]
     assert RouterConfig().worker_allowed("http://anything:1")  # no list: the operator key is the gate
+
+
+def test_an_operator_key_alone_guards_the_operator_endpoints_and_leaves_clients_open() -> None:
+    """What pdcluster up runs by default: no client key, an operator key."""
+    async def body() -> None:
+        async with router_over([ok_prefill], [ok_decode], "--operator-key", OPERATOR) as c:
+            assert (await c.post("/generate", GEN))[0] == 200
+            assert len(await c.workers()) == 2
+            assert (await c.post("/flush_cache", {}))[0] == 401
+            async with aiohttp.ClientSession() as s:
+                status, out, _ = await _call(s, c.url, "POST", "/flush_cache", {}, OP)
+                assert status == 200, out
+
+    asyncio.run(body())
