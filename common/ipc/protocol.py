@@ -79,7 +79,7 @@ logger = logging.getLogger(__name__)
 
 _STRUCT_OPTS = dict(tag_field="type", kw_only=True)
 
-# Rooms are minted in [0, 2^63-1] (DESIGN §4, SGLang's router) and the transfer's aux row stores
+# Rooms are minted in [0, 2^63-1] (docs/PROTOCOL.md §2, as SGLang's router) and the transfer's aux row stores
 # the room as int64; the API rejects anything larger before any work is done.
 MAX_BOOTSTRAP_ROOM = 2**63 - 1
 
