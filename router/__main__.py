@@ -31,9 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not cfg.workers:
         logging.getLogger("router").warning("no workers given: add them with POST /workers")
+    try:
+        options = serve_options(cfg)
+    except ConfigError as exc:  # a certificate that does not load: before anything listens
+        print(f"pdcluster router: {exc}", file=sys.stderr)
+        return 2
     web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None,
-                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, loop=_event_loop(),
-                **serve_options(cfg))
+                access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, loop=_event_loop(), **options)
     return 0
 
 

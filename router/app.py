@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -271,8 +272,24 @@ async def metrics(request: web.Request) -> web.Response:
 def serve_options(cfg: RouterConfig) -> dict[str, Any]:
     """The server's (not the app's) options: aiohttp closes a connection whose request head has
     not arrived ``keepalive_timeout`` after it opened or after its last response, so that is the
-    header timeout (slowloris; an idle keep-alive connection goes as soon)."""
-    return {"keepalive_timeout": cfg.header_timeout_s}
+    header timeout (slowloris; an idle keep-alive connection goes as soon). With a certificate,
+    the TLS context clients reach the router through."""
+    options: dict[str, Any] = {"keepalive_timeout": cfg.header_timeout_s}
+    if cfg.ssl_certfile is not None:
+        options["ssl_context"] = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
+    return options
+
+
+def server_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
+    """TLS 1.2+ with Python's default ciphers for the router's listener (``ConfigError`` naming
+    the flag when the files do not load)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot load: {exc}") from exc
+    return ctx
 
 
 def create_app(cfg: RouterConfig) -> web.Application:

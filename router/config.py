@@ -63,6 +63,9 @@ class RouterConfig:
     # Hosts POST /workers may add ("host", "host:port", "*.suffix", "10.0.0.0/8"; () = any); the
     # command line's workers are allowed whatever it says.
     worker_allow: tuple[str, ...] = ()
+    # TLS for clients (None: plain HTTP). The key may sit in the certificate file.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     # Client input limits (common/http_limits.py): a larger body is a 413 before it is read; a
     # request head (body) not in within the timeout closes the connection (is a 408).
     max_payload_size: int = ROUTER_MAX_BODY_BYTES
@@ -159,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "/abort_request) need 'Authorization: Bearer KEY' (default: PDC_OPERATOR_KEY; none: they are "
                     "open only if --api-key is unset too)")
     ap.add_argument("--operator-key-file", metavar="PATH", help="read the operator key from this file")
+    ap.add_argument("--ssl-certfile", metavar="PATH", help="serve HTTPS with this certificate (chain) in PEM")
+    ap.add_argument("--ssl-keyfile", metavar="PATH", help="its private key in PEM (default: inside --ssl-certfile)")
     ap.add_argument("--insecure", action="store_true",
                     help="listen on a non-loopback --host with neither --api-key nor --operator-key")
     ap.add_argument("--worker-allow", action="append", default=[], metavar="PATTERN",
@@ -216,6 +221,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--host {ns.host} is reachable from other machines and this router has no key: anyone "
                           "could generate, add workers or abort every stream. Set PDC_API_KEY and "
                           "PDC_OPERATOR_KEY (or their flags), or pass --insecure to run open anyway")
+    if ns.ssl_keyfile is not None and ns.ssl_certfile is None:
+        raise ConfigError("--ssl-keyfile needs --ssl-certfile")
     if api_key is not None and api_key == operator_key:
         raise ConfigError("--operator-key must differ from --api-key: a client key must not be an operator's")
     for pattern in ns.worker_allow:
@@ -229,7 +236,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         health_check_timeout_s=ns.health_check_timeout_s, load_poll_interval_s=ns.load_poll_interval_s,
         cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
         log_level=ns.log_level, api_key=api_key, operator_key=operator_key, worker_allow=tuple(ns.worker_allow),
-        cluster_secret=cluster_secret,
+        cluster_secret=cluster_secret, ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile,
         max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
         max_n=ns.max_n)
 

@@ -138,13 +138,15 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def router_over(prefills: list[Handler], decodes: list[Handler], *flags: str,
-                      healthy: bool = True, headers: dict[str, str] | None = None) -> AsyncIterator[Cluster]:
+                      healthy: bool = True, headers: dict[str, str] | None = None,
+                      ssl_context: object = None, client_ssl: object = None) -> AsyncIterator[Cluster]:
     """Scripted workers with the real router in front; everything stopped on exit. ``headers``:
     what the test's client session sends on every request (an API key)."""
     fakes: list[Fake] = []
     runner: web.AppRunner | None = None
     secret = flags[flags.index("--cluster-secret") + 1] if "--cluster-secret" in flags else None
-    session = aiohttp.ClientSession(headers=headers)
+    session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(ssl=client_ssl)
+                                    if client_ssl is not None else None)
     try:
         ps = [await Fake(h, secret=secret).start() for h in prefills]
         ds = [await Fake(h, secret=secret).start() for h in decodes]
@@ -156,9 +158,9 @@ async def router_over(prefills: list[Handler], decodes: list[Handler], *flags: s
             argv += ["--decode", d.url]
         runner = web.AppRunner(create_app(parse_config(argv)), handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)  # type: ignore[arg-type]
         await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
         c = Cluster(ps, ds, runner, url, session)
         if healthy:
             for f in fakes:
