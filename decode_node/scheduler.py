@@ -44,6 +44,7 @@ from decode_node.budget import DecodeBudget, NewTokenRatio
 from decode_node.req import AuxSlots, DecodeCounters, DecodeQueues, DecodeReq, DecodeSchedConfig, Engine
 from decode_node.req import ReceiverFactory, Stage, recompute
 from transfer.errors import RoomInUse, TransferError
+from transfer.messages import prompt_digest
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ class DecodeScheduler:
             q.transfer.append(r)
             assert r.kv is not None and r.receiver is not None
             state = [r.kv.state_slot] if r.kv.state_slot is not None else []
-            r.receiver.init(r.kv.pages, r.aux_slot, state)
+            r.receiver.init(r.kv.pages, r.aux_slot, state, prompt_digest(r.prompt))
             r.clock.lap("prealloc")
 
     def _merge_waiting(self) -> None:

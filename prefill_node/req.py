@@ -40,7 +40,7 @@ class ExtendEngine(Protocol):
     def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]: ...
 
 
-SenderFactory = Callable[[int], KVSender]  # PrefillKVManager.create_sender; raises TransferError
+SenderFactory = Callable[..., KVSender]  # PrefillKVManager.create_sender(room, prompt_digest=); raises TransferError
 
 
 @dataclass(frozen=True)

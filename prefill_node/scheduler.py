@@ -48,6 +48,7 @@ from prefill_node.req import ExtendEngine, PrefillCounters, PrefillQueues, Prefi
 from prefill_node.req import aux_record, ended_early, failed, input_error, local_answer, local_finish, pages_to_send
 from prefill_node.req import peek_prefix_len, room_ended
 from transfer.errors import RoomInUse, TransferError
+from transfer.messages import prompt_digest
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class PrefillScheduler:
         sender, status = None, 400
         if msg.bootstrap_room is not None:
             try:
-                sender = self.senders(msg.bootstrap_room)
+                sender = self.senders(msg.bootstrap_room, prompt_digest=prompt_digest(msg.input_ids))
             except TransferError as exc:  # e.g. the room is another live request's: leave it alone
                 if error is None:
                     error, status = str(exc), 409 if isinstance(exc, RoomInUse) else 400

@@ -72,8 +72,10 @@ class KVReceiver(ABC):
     room: int
 
     @abstractmethod
-    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
-        """Tell the prefill where to write (decode page ids in token order). Never blocks."""
+    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
+             prompt_digest: str = "") -> None:
+        """Tell the prefill where to write (decode page ids in token order) and for which prompt
+        (``messages.prompt_digest``: the prefill refuses a room it computes for another). Never blocks."""
 
     @abstractmethod
     def poll(self) -> KVPoll: ...

@@ -159,7 +159,8 @@ class DecodeKVManager:
         return len(self._fenced)
 
     # --- receiver-facing (transfer.handles.ReceiverActions) ------------------------------------
-    def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int]) -> None:
+    def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int],
+                  prompt_digest: str = "") -> None:
         with self._lock:
             r = self._rooms.get(room)
             if r is None or r.status.terminal or r.pending_fail is not None:
@@ -170,6 +171,7 @@ class DecodeKVManager:
                 room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
                 status_endpoint=self.status_endpoint, dst_pages=index_list(pages),
                 aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
+                prompt_digest=prompt_digest,
             )
             r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
             endpoint = r.endpoint

@@ -29,7 +29,8 @@ class SenderActions(RoomActions, Protocol):
 
 
 class ReceiverActions(RoomActions, Protocol):
-    def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int]) -> None:
+    def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int],
+                  prompt_digest: str = "") -> None:
         """``KVReceiver.init``: send the room's TransferInfo."""
 
     def is_fenced(self, room: int) -> bool:
@@ -89,8 +90,9 @@ class DecodeKVReceiver(_RoomHandle, KVReceiver):
     def __init__(self, rooms: RoomTable[Any], actions: ReceiverActions, room: int) -> None:
         super().__init__(rooms, actions, room)
 
-    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
-        self._actions.init_room(self.room, page_indices, aux_slot, state_indices)
+    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
+             prompt_digest: str = "") -> None:
+        self._actions.init_room(self.room, page_indices, aux_slot, state_indices, prompt_digest)
 
     def fenced(self) -> bool:
         return self._actions.is_fenced(self.room)

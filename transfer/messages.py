@@ -11,6 +11,10 @@ ignored so a newer peer can add fields without breaking an older one.
 """
 from __future__ import annotations
 
+import array
+import hashlib
+import sys
+from collections.abc import Sequence
 from typing import Union
 
 import msgspec
@@ -47,6 +51,9 @@ class TransferInfo(msgspec.Struct, tag="transfer_info", kw_only=True):
     aux_slot: int | None
     state_slots: list[int] = []
     required_dst_info_num: int = 1  # decode ranks the prefill must hear from before sending
+    # The prompt this decode holds the room for (``prompt_digest``); the prefill writes only into
+    # a room whose prompt is the one it computes. "" (an older peer): not checked.
+    prompt_digest: str = ""
 
 
 class AbortRoom(msgspec.Struct, tag="abort", kw_only=True):
@@ -80,6 +87,15 @@ class Pong(msgspec.Struct, tag="pong", kw_only=True):
     seq: int
     endpoint: str  # the prefill control endpoint the Ping was sent to
     instance_id: str  # changes when the prefill restarts
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """What binds a room to its prompt on both nodes: SHA-256 of the token ids (int64, little
+    endian), 128 bits in hex. Both roles tokenize the same body alike, so equal prompts agree."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return hashlib.sha256(ids.tobytes()).hexdigest()[:32]
 
 
 ToPrefill = Union[KVArgsRegister, TransferInfo, AbortRoom, Ping]

@@ -122,11 +122,13 @@ class PrefillKVManager:
         waiting for input at once instead of polling its rooms on a timer."""
         self._rooms.set_listener(fn)
 
-    def create_sender(self, room: int) -> PrefillKVSender:
+    def create_sender(self, room: int, prompt_digest: str = "") -> PrefillKVSender:
+        """``prompt_digest`` (``messages.prompt_digest`` of the prompt): a TransferInfo for this
+        room from a decode that holds it for another prompt is refused, never written to."""
         with self._lock:
             if room in self._rooms:
                 raise RoomInUse("room is already in flight on this prefill rank", room)
-            r = self._rooms.insert_locked(PrefillRoom(room, time.monotonic()))
+            r = self._rooms.insert_locked(PrefillRoom(room, time.monotonic(), prompt_digest=prompt_digest))
             self._control.adopt_locked(r)  # TransferInfos that came first; a failure decided already
         return PrefillKVSender(self._rooms, self, room)
 

@@ -47,7 +47,12 @@ class PrefillControl:
         orphan = self._orphans.pop(r.room, None)
         if orphan is not None:
             for info in orphan[1].values():
-                self._add_info_locked(r, info)
+                refused = self._binding_refusal_locked(r, info)
+                if refused is None:
+                    self._add_info_locked(r, info)
+                else:
+                    self._push.send(info.status_endpoint, m.TransferStatus(
+                        room=r.room, status=int(KVPoll.Failed), prefill_rank=self._rank, reason=refused))
         reason = self._rooms.take_tombstone_locked(r.room)
         if reason is not None:
             self.fail_locked(r, reason)
@@ -149,6 +154,11 @@ class PrefillControl:
             elif unregistered:
                 # Nothing can be written for this session; the answer tells the decode to register again.
                 self.fail_locked(r, reason or "")
+            elif (refused := self._binding_refusal_locked(r, info)) is not None:
+                # Another request's room (same id, other prompt or other decode): this decode
+                # is told; the room, its own decode and its pages are left alone.
+                log.warning("room %d: refusing decode %s: %s", info.room, info.session_id, refused)
+                reason, unregistered = refused, False
             else:
                 already_told = r.status is KVPoll.Failed and r.failure_sent
                 r.infos[info.session_id] = info  # a failure is then reported to this decode too
@@ -219,6 +229,17 @@ class PrefillControl:
             del self._last_heard[s]
             self._rejected.pop(s, None)
         return idle
+
+    def _binding_refusal_locked(self, r: PrefillRoom, info: m.TransferInfo) -> str | None:
+        """Why ``info`` may not join room ``r`` (None: it may). A room is bound to its prompt and,
+        once it heard from as many decode sessions as it needs, to those sessions: a request that
+        reuses a live room id can fail, never receive another request's KV."""
+        if r.prompt_digest and info.prompt_digest and info.prompt_digest != r.prompt_digest:
+            return (f"room {r.room} is another request's on this prefill (its prompt differs from this decode's): "
+                    "rooms must be unique per request")
+        if info.session_id not in r.infos and len(r.infos) >= info.required_dst_info_num:
+            return f"room {r.room} is already bound to another decode: rooms must be unique per request"
+        return None
 
     # --- room changes a decode hears of (lock held) --------------------------------------------
     def _add_info_locked(self, r: PrefillRoom, info: m.TransferInfo) -> None:

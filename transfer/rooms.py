@@ -52,6 +52,7 @@ class PrefillRoom:
     status: KVPoll = KVPoll.Bootstrapping
     reason: str | None = None
     infos: dict[str, m.TransferInfo] = field(default_factory=dict)  # by decode session
+    prompt_digest: str = ""  # the prompt this room computes ("" : not bound)
     inflight: int = 0  # chunks a worker is writing right now
     pages_queued: int = 0
     last_queued: bool = False

@@ -110,7 +110,8 @@ class FakeReceiver(KVReceiver):
     def fenced(self) -> bool:
         return self.held
 
-    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = ()) -> None:
+    def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
+             prompt_digest: str = "") -> None:
         assert self.status is KVPoll.WaitingForInput, self.status
         self.pages, self.slot, self.status = list(page_indices), aux_slot, KVPoll.Transferring
 

@@ -80,7 +80,7 @@ class Senders:
     def __init__(self) -> None:
         self.by_room: dict[int, StubSender] = {}
 
-    def __call__(self, room: int) -> StubSender:
+    def __call__(self, room: int, prompt_digest: str = "") -> StubSender:
         if room in self.by_room and not self.by_room[room].state.terminal:
             raise RoomInUse("room is already in flight on this prefill rank", room)
         s = self.by_room[room] = StubSender(room)

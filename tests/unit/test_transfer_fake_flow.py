@@ -374,3 +374,62 @@ def test_a_decode_with_another_state_layout_fails_at_lookup(cluster: Cluster) ->
     plain, _ = cluster.decode()  # an attention-only decode cannot take a hybrid prefill's rooms either
     recv = plain.create_receiver(13, ADDR)
     assert until_terminal(recv)[0] is KVPoll.Failed and "state" in (recv.failure_reason or "")
+
+
+def test_a_room_is_bound_to_its_prompt_and_its_decode(cluster: Cluster) -> None:
+    """Two requests that share a room id (a client-chosen bootstrap_room): the prefill writes the
+    room's KV only to a decode that holds it for the same prompt, and only to the first one; the
+    other decode's room fails with the reason, the bound pair completes untouched."""
+    from transfer.messages import prompt_digest
+
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    dm2, _ = cluster.decode()
+    mine, theirs = prompt_digest([1, 2, 3]), prompt_digest([9, 9, 9])
+    assert mine != theirs and mine == prompt_digest([1, 2, 3]) and len(mine) == 32
+    sender = pm.create_sender(31, prompt_digest=mine)
+    other = dm.create_receiver(31, ADDR)  # another user's request, same room, another prompt
+    wait_for(lambda: other.poll() is KVPoll.WaitingForInput)
+    other.init([4, 5], aux_slot=0, prompt_digest=theirs)
+    assert until_terminal(other)[0] is KVPoll.Failed and "another request's" in (other.failure_reason or "")
+    assert sender.poll() is KVPoll.Bootstrapping  # the prefill's own room is left alone
+    recv = dm2.create_receiver(31, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init([1, 2], aux_slot=0, prompt_digest=mine)
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.send([3, 4], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0))
+    assert until_terminal(sender)[0] is KVPoll.Success and until_terminal(recv)[0] is KVPoll.Success
+
+
+def test_a_second_decode_for_a_bound_room_is_refused(cluster: Cluster) -> None:
+    from transfer.messages import prompt_digest
+
+    pm, _ = cluster.prefill()
+    d1, _ = cluster.decode()
+    d2, _ = cluster.decode()
+    digest = prompt_digest([7, 7])
+    sender = pm.create_sender(41, prompt_digest=digest)
+    first, second = d1.create_receiver(41, ADDR), d2.create_receiver(41, ADDR)
+    wait_for(lambda: first.poll() is KVPoll.WaitingForInput and second.poll() is KVPoll.WaitingForInput)
+    first.init([1], aux_slot=0, prompt_digest=digest)
+    wait_for(lambda: sender.poll() is KVPoll.WaitingForInput)
+    second.init([2], aux_slot=0, prompt_digest=digest)
+    assert until_terminal(second)[0] is KVPoll.Failed and "already bound" in (second.failure_reason or "")
+    sender.send([5], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0))
+    assert until_terminal(sender)[0] is KVPoll.Success and until_terminal(first)[0] is KVPoll.Success
+
+
+def test_a_transfer_info_that_came_first_is_checked_against_the_prompt_too(cluster: Cluster) -> None:
+    from transfer.messages import prompt_digest
+
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    early = dm.create_receiver(51, ADDR)
+    wait_for(lambda: early.poll() is KVPoll.WaitingForInput)
+    early.init([3], aux_slot=0, prompt_digest=prompt_digest([1]))
+    wait_for(lambda: pm.tables()["orphans"] == [51])  # kept until the prefill's request arrives
+    sender = pm.create_sender(51, prompt_digest=prompt_digest([2]))  # ... for another prompt
+    assert until_terminal(early)[0] is KVPoll.Failed and "another request's" in (early.failure_reason or "")
+    assert sender.poll() is KVPoll.Bootstrapping
+    sender.abort("test over")
+    until_terminal(sender)
