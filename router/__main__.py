@@ -7,6 +7,7 @@ import sys
 from aiohttp import web
 
 from router.app import create_app, serve_options
+from router.clients import KeysFileError
 from router.config import ConfigError, parse_config
 
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long after SIGTERM
@@ -33,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("router").warning("no workers given: add them with POST /workers")
     try:
         options = serve_options(cfg)
-    except ConfigError as exc:  # a certificate that does not load: before anything listens
+        app = create_app(cfg)
+    except (ConfigError, KeysFileError) as exc:  # a certificate or keys file that does not load
         print(f"pdcluster router: {exc}", file=sys.stderr)
         return 2
-    web.run_app(create_app(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None,
+    web.run_app(app, host=cfg.host, port=cfg.port, handler_cancellation=True, print=None,
                 access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, loop=_event_loop(), **options)
     return 0
 

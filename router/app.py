@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import signal
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +36,8 @@ from aiohttp import web
 from common.aio_body import BodyError, BodyLimits, decode_json, read_body, read_json
 from common.http_limits import INLINE_DECODE_BYTES
 from router import dashboard
-from router.auth import require_keys
+from router.auth import CLIENT, require_keys
+from router.clients import Clients, KeysFileError, retry_after, token_estimate
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -71,6 +74,33 @@ class Router:
 
 STATE = web.AppKey("router", Router)
 CONFIG = web.AppKey("config", RouterConfig)
+CLIENTS = web.AppKey("clients", Clients)
+
+
+@web.middleware
+async def _count_clients(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    """Every keyed request by its client's name and status (outside the key check, so refusals
+    count too, as "-" when no key matched)."""
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        client = request.get(CLIENT)
+        if STATE in request.app:
+            request.app[STATE].metrics.client_requests.labels(client.name if client else "-", str(status)).inc()
+
+
+def _reload_keys(app: web.Application) -> None:
+    """SIGHUP: read the keys file again; a bad one keeps the keys in force."""
+    try:
+        app[CLIENTS].reload()
+    except (KeysFileError, OSError) as exc:
+        logging.getLogger("router").error("keys file not reloaded, the old keys stay in force: %s", exc)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -83,11 +113,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                                     middlewares=(sign_requests(cfg.cluster_secret),) if cfg.cluster_secret else ())
     router = Router(cfg, session)
     app[STATE] = router
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
+        loop.add_signal_handler(signal.SIGHUP, _reload_keys, app)
     loops = asyncio.create_task(router.workers.run(session, cfg.health_check_interval_s, cfg.load_poll_interval_s,
                                                    cfg.health_check_timeout_s))
     try:
         yield
     finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGHUP)
         loops.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loops
@@ -125,6 +160,14 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             router.metrics.errors.labels(endpoint, "bad_request").inc()
             return error_response(exc.status, exc.message)
+        client = request.get(CLIENT)
+        if client is not None and client.tokens_per_min is not None:
+            wait = request.app[CLIENTS].take(client, "tokens", token_estimate(body, len(raw), info.sequences))
+            if wait > 0:
+                router.metrics.requests.labels(endpoint, "429").inc()
+                return error_response(429, f"{client.name!r} is over its limit of {client.tokens_per_min:g} tokens "
+                                           "per minute (an estimate: prompt bytes / 4 + the most it may generate)",
+                                      headers={"Retry-After": retry_after(wait)})
         return await router.forwarder.handle(request, endpoint, body, info)
 
     return handler
@@ -293,10 +336,12 @@ def server_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
 
 
 def create_app(cfg: RouterConfig) -> web.Application:
-    middlewares = [require_keys(cfg.api_key, cfg.operator_key)] if cfg.api_key or cfg.operator_key else []
+    clients = Clients(cfg.api_key, cfg.operator_key, cfg.keys_file)
+    middlewares = [_count_clients, require_keys(clients)] if clients.enabled else []
     # client_max_size: aiohttp's own stop for a chunked body; read_json refuses a declared length first.
     app = web.Application(client_max_size=cfg.max_payload_size, middlewares=middlewares)
     app[CONFIG] = cfg
+    app[CLIENTS] = clients
     app.cleanup_ctx.append(_lifecycle)
     r = app.router
     r.add_post("/generate", _generation("generate"))

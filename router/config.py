@@ -63,6 +63,7 @@ class RouterConfig:
     # Hosts POST /workers may add ("host", "host:port", "*.suffix", "10.0.0.0/8"; () = any); the
     # command line's workers are allowed whatever it says.
     worker_allow: tuple[str, ...] = ()
+    keys_file: str | None = None  # per-client keys, roles and limits (router/clients.py); SIGHUP reloads
     # TLS for clients (None: plain HTTP). The key may sit in the certificate file.
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "/abort_request) need 'Authorization: Bearer KEY' (default: PDC_OPERATOR_KEY; none: they are "
                     "open only if --api-key is unset too)")
     ap.add_argument("--operator-key-file", metavar="PATH", help="read the operator key from this file")
+    ap.add_argument("--keys-file", metavar="PATH", help="per-client keys, roles, rate limits and endpoints (JSON; "
+                    "see router/clients.py and docs/OPERATIONS.md); reloaded on SIGHUP")
     ap.add_argument("--ssl-certfile", metavar="PATH", help="serve HTTPS with this certificate (chain) in PEM")
     ap.add_argument("--ssl-keyfile", metavar="PATH", help="its private key in PEM (default: inside --ssl-certfile)")
     ap.add_argument("--insecure", action="store_true",
@@ -217,7 +220,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                                         "--cluster-secret")
     except SecretError as exc:
         raise ConfigError(str(exc)) from exc
-    if api_key is None and operator_key is None and not is_loopback(ns.host) and not ns.insecure:
+    if api_key is None and operator_key is None and ns.keys_file is None and not is_loopback(ns.host) and not ns.insecure:
         raise ConfigError(f"--host {ns.host} is reachable from other machines and this router has no key: anyone "
                           "could generate, add workers or abort every stream. Set PDC_API_KEY and "
                           "PDC_OPERATOR_KEY (or their flags), or pass --insecure to run open anyway")
@@ -236,7 +239,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         health_check_timeout_s=ns.health_check_timeout_s, load_poll_interval_s=ns.load_poll_interval_s,
         cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
         log_level=ns.log_level, api_key=api_key, operator_key=operator_key, worker_allow=tuple(ns.worker_allow),
-        cluster_secret=cluster_secret, ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile,
+        cluster_secret=cluster_secret, ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, keys_file=ns.keys_file,
         max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
         max_n=ns.max_n)
 

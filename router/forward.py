@@ -46,13 +46,14 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
 
 def error_body(status: int, message: str) -> dict:
     """The nodes' error shape (OpenAI's), so clients parse one kind of error."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+            429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
             504: "GatewayTimeoutError"}.get(status, "Error")
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response(error_body(status, message), status=status)
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message), status=status, headers=headers)
 
 
 @dataclass

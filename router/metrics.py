@@ -3,6 +3,7 @@
     pdc_router_requests_total{endpoint,status}        every client request, by its final status
     pdc_router_errors_total{endpoint,reason}          why the failed ones failed (router's view)
     pdc_router_retries_total{endpoint}                extra tries on another pair
+    pdc_router_client_requests_total{client,status}   by the caller's key name (router/clients.py)
     pdc_router_ttft_seconds{endpoint}                 arrival -> first byte to the client
     pdc_router_request_seconds{endpoint}              arrival -> last byte to the client
     pdc_router_worker_{healthy,inflight,load,routed}{worker,role}   read from the worker set at scrape
@@ -124,6 +125,9 @@ class RouterMetrics:
         self.errors = Counter("pdc_router_errors", "failed client requests by reason", ["endpoint", "reason"],
                               registry=r)
         self.retries = Counter("pdc_router_retries", "tries on another pair after a failure", ["endpoint"], registry=r)
+        # By the keys file's client names (bounded: unknown callers are one label, "-").
+        self.client_requests = Counter("pdc_router_client_requests", "requests by client and status",
+                                       ["client", "status"], registry=r)
         self.ttft = Histogram("pdc_router_ttft_seconds", "arrival to first byte sent", ["endpoint"], buckets=_BUCKETS,
                               registry=r)
         self.latency = Histogram("pdc_router_request_seconds", "arrival to last byte sent", ["endpoint"],

@@ -1,0 +1,71 @@
+"""Two requests that share a bootstrap room (a client choosing it at the nodes, not our router)
+never swap outputs: real processes over real Mooncake, one prefill and two decodes.
+
+Each trial sends prompt A to the prefill and decode 1 and prompt B to the prefill and decode 2,
+all with the same room, in a random order with random gaps. Whatever wins the races, a decode
+that answers 200 answers with its own prompt's HF greedy tokens: the prefill refuses the second
+live room (409) and writes a room only to a decode that holds it for the same prompt (the
+TransferInfo's prompt digest), so the loser fails with a reason. Every node ends idle.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, Node, check_greedy, running_cluster, start_node, wait_healthy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+TRIALS = 10
+N = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_qwen3: str) -> Iterator[tuple[Cluster, Node]]:
+    with running_cluster(tiny_qwen3) as c:
+        import os
+
+        d2 = start_node("decode", tiny_qwen3, c.common_args, None, os.path.dirname(c.prefill.log_path))
+        c.extra_nodes.append(d2)
+        wait_healthy([d2])
+        yield c, d2
+
+
+def test_requests_that_share_a_room_fail_or_get_their_own_tokens(cluster: tuple[Cluster, Node]) -> None:
+    c, d2 = cluster
+    rng = random.Random(7)
+    served = {"A": 0, "B": 0}
+    with ThreadPoolExecutor(4) as ex:
+        for trial in range(TRIALS):
+            room = rng.randrange(2**62)
+            prompts = {"A": [rng.randrange(10, 500) for _ in range(rng.randrange(8, 40))],
+                       "B": [rng.randrange(10, 500) for _ in range(rng.randrange(8, 40))]}
+            legs = [(c.prefill.url, "A", True), (c.decode.url, "A", False), (c.prefill.url, "B", True),
+                    (d2.url, "B", False)]
+            rng.shuffle(legs)
+            futures = []
+            for url, who, is_prefill in legs:
+                body = {"input_ids": prompts[who], "sampling_params": {"max_new_tokens": N, "temperature": 0,
+                                                                       "ignore_eos": True},
+                        "bootstrap_host": "127.0.0.1", "bootstrap_port": c.bootstrap_port, "bootstrap_room": room,
+                        **({"stream": True} if is_prefill else {})}
+                futures.append((who, is_prefill, ex.submit(httpx.post, url + "/generate", json=body, timeout=60)))
+                time.sleep(rng.random() * 0.05)
+            for who, is_prefill, fut in futures:
+                r = fut.result()
+                if is_prefill:
+                    assert r.status_code in (200, 409, 503), (trial, who, r.status_code, r.text)
+                    continue
+                if r.status_code == 200:
+                    check_greedy(c.model_dir, prompts[who], r.json()["output_ids"], N,
+                                 f"trial {trial}: decode of {who} answered 200")
+                    served[who] += 1
+                else:
+                    assert r.status_code in (409, 502, 503) and r.json()["error"]["message"], (trial, who, r.text)
+    assert served["A"] + served["B"] >= TRIALS // 2, served  # the winners were served
+    c.wait_idle()
