@@ -11,10 +11,13 @@ output goes to one log file per process (their tails are shown when one fails to
 it goes to this process's terminal. Processes are recorded as they start, so a start-up failure
 followed by ``stop()`` leaves nothing running.
 
-Access control (off by default): ``cluster_secret`` reaches every node and the router as
-``PDC_CLUSTER_SECRET`` in their environment (not argv, which ``ps`` shows), ``api_key`` the router
-as ``PDC_API_KEY``. sglang-router has one key for clients and workers (``--api-key``), so with it
-both must be the same. ``headers()`` is what a caller of this cluster sends.
+Access control (off unless given; ``pdcluster up`` gives both secrets): ``cluster_secret`` reaches
+every node and the router as ``PDC_CLUSTER_SECRET`` in their environment (not argv, which ``ps``
+shows), ``api_key`` and ``operator_key`` the router as ``PDC_API_KEY`` / ``PDC_OPERATOR_KEY``.
+sglang-router has one key for clients and workers (``--api-key``), so with it both must be the
+same, and the nodes then accept the bare secret (``PDC_ACCEPT_BEARER_SECRET``). ``headers()`` is
+what a client of the router sends; ``node_headers(method, url, body)`` what one request straight
+to a node or registry carries (a request token).
 """
 from __future__ import annotations
 
