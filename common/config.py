@@ -122,6 +122,7 @@ class TransferConfig:
     num_workers: int = field(default_factory=envs.TRANSFER_WORKERS.get)
     max_batch_entries: int = field(default_factory=envs.TRANSFER_MAX_BATCH_ENTRIES.get)
     hung_peer_quarantine_s: float = field(default_factory=envs.HUNG_PEER_QUARANTINE_S.get)
+    max_fence_s: float = field(default_factory=envs.MAX_FENCE_S.get)
     idle_peer_purge_s: float = field(default_factory=envs.IDLE_PEER_PURGE_S.get)
     write_timeout_s: float = field(default_factory=envs.MOONCAKE_TRANSFER_TIMEOUT_S.get)
     # Top logprobs each aux row carries with the first token. It fixes the aux row layout, which

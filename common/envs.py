@@ -39,6 +39,7 @@ HEARTBEAT_MAX_FAILURES = EnvVar("PDC_HEARTBEAT_MAX_FAILURES", 3, "missed probes 
 TRANSFER_WORKERS = EnvVar("PDC_TRANSFER_WORKERS", 2, "transfer worker threads per prefill rank")
 TRANSFER_MAX_BATCH_ENTRIES = EnvVar("PDC_TRANSFER_MAX_BATCH_ENTRIES", 2000, "descriptors per peer per engine call (mooncake TCP fails past ~2050)")
 HUNG_PEER_QUARANTINE_S = EnvVar("PDC_HUNG_PEER_QUARANTINE_S", 10.0, "hold pages of a dead-declared but still-listening prefill this long")
+MAX_FENCE_S = EnvVar("PDC_MAX_FENCE_S", 300.0, "longest a decode holds the pages of a room whose prefill stopped answering (0: until proven gone)")
 IDLE_PEER_PURGE_S = EnvVar("PDC_IDLE_PEER_PURGE_S", 60.0, "prefill forgets a silent decode peer after this long")
 MOONCAKE_TRANSFER_TIMEOUT_S = EnvVar("PDC_MOONCAKE_TRANSFER_TIMEOUT_S", 5.0, "seconds one mooncake write may block on a hung peer (floor 5)")
 MOONCAKE_PROTOCOL = EnvVar("PDC_MOONCAKE_PROTOCOL", "auto", "mooncake protocol: auto, rdma, tcp")

@@ -17,6 +17,9 @@ class KVManagerConfig:
     # A dead-declared prefill whose control port still accepts connections may be hung, not gone:
     # its rooms are held (pages not reported free) this long before they fail.
     hung_peer_quarantine_s: float = 10.0
+    # The decode releases a fenced room's pages after this long even if its prefill was never
+    # proven unable to write (0: never): a peer that never answers cannot hold memory forever.
+    max_fence_s: float = 300.0
     # Prefill: forget a decode's KV args and socket after this long without any message from it
     # (a live decode pings every heartbeat interval) while no room of ours is bound to it.
     idle_peer_purge_s: float = 60.0
@@ -46,6 +49,7 @@ class KVManagerConfig:
             num_workers=tc.num_workers, max_batch_entries=tc.max_batch_entries,
             # Quarantine must outlast one blocked engine write, or a hung peer's write could land late.
             hung_peer_quarantine_s=max(tc.hung_peer_quarantine_s, tc.write_timeout_s),
+            max_fence_s=tc.max_fence_s,
             idle_peer_purge_s=tc.idle_peer_purge_s, cluster_secret=tc.cluster_secret,
         )
         values.update(overrides)

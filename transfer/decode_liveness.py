@@ -110,6 +110,12 @@ class DecodeLiveness:
     def _probe_fenced(self) -> None:
         """Each heartbeat: ping every endpoint we hold rooms for; a refused port releases them."""
         with self._lock:
+            expired = self._fenced.older_than(self._config.max_fence_s, time.monotonic())
+            for room in expired:
+                self._fenced.release(room, f"held for the longest allowed ({self._config.max_fence_s:g} s, "
+                                           "PDC_MAX_FENCE_S) without proof that its prefill cannot write")
+            if expired:
+                self._rooms.changed_locked()
             targets = self._fenced.endpoints()
             # A socket opened only to probe a peer whose rooms are all released goes too.
             done = [e for e in self._probed if e not in targets and e not in self._peers]

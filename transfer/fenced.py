@@ -10,8 +10,15 @@ the peer can no longer write, by one of
 - the peer's control port refusing connections (its process is gone);
 - a ``Pong`` on that endpoint from another instance (the old process released the port).
 
-A peer that never comes back keeps its rooms here for good; that is visible (``fenced_rooms`` in
-/debug/memory, the ``fenced_reqs`` gauge, a warning per room) and is not a leak.
+- ``max_fence_s`` (``PDC_MAX_FENCE_S``, default 300 s) passing: a peer that never answers (hung,
+  or a stranger's listener) cannot hold a decode's memory for longer. This is the one release
+  without proof: a prefill paused longer than that and then resumed could still write into pages
+  given to another request since; with KV digests on (the default) such a write is caught if it
+  lands before that request's KV is checked on arrival, not after. 0 keeps the old rule (held
+  until proven unable to write).
+
+Held rooms are visible (``fenced_rooms`` in /debug/memory, the ``fenced_reqs`` gauge, a warning
+per room) and are not a leak.
 """
 from __future__ import annotations
 
@@ -62,6 +69,10 @@ class FencedRooms:
     def endpoints(self) -> dict[str, tuple[str, int, str | None]]:
         """Each endpoint with held rooms -> (host, port, instance_id) to probe."""
         return {e.endpoint: (e.host, e.port, e.instance_id) for e in self._rooms.values()}
+
+    def older_than(self, max_s: float, now: float) -> list[int]:
+        """Rooms held for more than ``max_s`` seconds (none when ``max_s`` is 0)."""
+        return [] if max_s <= 0 else [e.room for e in self._rooms.values() if now - e.since > max_s]
 
     def rooms_of(self, endpoint: str) -> list[int]:
         return [e.room for e in self._rooms.values() if e.endpoint == endpoint]

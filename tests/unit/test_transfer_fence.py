@@ -109,3 +109,19 @@ def test_close_with_a_fenced_room_stops_every_thread(cluster: Cluster) -> None:
     _, dm, _, recv, _ = fenced_room(cluster)
     dm.close()  # the fixture then checks that no pdc- thread outlives the managers
     assert recv.fenced()  # closing proves nothing about the peer
+
+
+def test_a_peer_that_never_answers_holds_pages_no_longer_than_the_bound(cluster: Cluster) -> None:
+    """PDC_MAX_FENCE_S: a hung prefill (port open, never answering) cannot keep a decode's pages
+    fenced for good; after the bound the room is released once and its id is usable again."""
+    pm, _ = cluster.prefill()
+    bounded = KVManagerConfig(**{**HOLD_CFG.__dict__, "max_fence_s": 0.5})
+    dm, _ = cluster.decode(cfg=bounded)
+    sender, recv = handshake(pm, dm, room=9, dst_pages=[1])
+    pm._push.send = lambda endpoint, msg: True  # type: ignore[method-assign]  # hung: port open, no answer
+    assert until_terminal(recv, timeout=5)[0] is KVPoll.Failed and recv.fenced()
+    t0 = time.monotonic()
+    wait_for(lambda: not recv.fenced(), timeout=5)
+    assert time.monotonic() - t0 < 0.5 + 2 * bounded.heartbeat_interval_s + 1.0
+    assert dm.num_fenced() == 0 and recv.poll() is KVPoll.Failed
+    dm.create_receiver(9, ADDR).abort("reused after the bound")  # the id is free again
