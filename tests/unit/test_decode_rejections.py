@@ -51,7 +51,7 @@ def test_a_room_already_in_flight_here_is_not_reported_as_refused() -> None:
     rig.add("a", prompt_of(1, 5), 3, room=1)
     rig.add("b", prompt_of(2, 5), 3, room=1)  # same room: the receiver factory refuses it
     rig.step()
-    assert rig.final("b").http_status == 400 and rig.hub.rejected == []
+    assert rig.final("b").http_status == 409 and rig.hub.rejected == []
     rig.run()
     rig.assert_clean()
 

@@ -109,7 +109,7 @@ def test_a_request_that_raises_on_arrival_fails_alone() -> None:
     node = Node()
     real = node.senders
 
-    def senders(room: int) -> StubSender:
+    def senders(room: int, prompt_digest: str = "") -> StubSender:
         if room == 2:
             raise Boom("unexpected")  # not a TransferError: a bug in the transfer layer
         return real(room)
