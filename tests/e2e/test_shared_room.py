@@ -21,7 +21,7 @@ from tests.e2e.cluster import Cluster, Node, check_greedy, running_cluster, star
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
-TRIALS = 10
+TRIALS = 8
 N = 4
 
 
