@@ -1,4 +1,4 @@
-"""FastAPI app factory shared by the prefill and decode nodes (DESIGN §5.1, the worker HTTP API).
+"""FastAPI app factory shared by the prefill and decode nodes (the worker HTTP API, docs/PROTOCOL.md).
 
 ``create_app`` only assembles: the scheduler client's lifespan, the access check, the error
 handlers, and the routes, which live one group per module, each adding its own from one

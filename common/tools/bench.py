@@ -1,4 +1,4 @@
-"""``pdcluster bench``: a serving benchmark for the cluster (DESIGN §10), after SGLang's
+"""``pdcluster bench``: a serving benchmark for the cluster (docs/BENCHMARKS.md), after SGLang's
 ``bench_serving``. It drives a router by default, so the numbers are what clients see.
 
 Targets::

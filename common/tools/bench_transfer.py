@@ -168,7 +168,7 @@ def sender_request(rig: Rig, backend: str, src: list[int], dst: list[int]) -> tu
 def raw_request(rig: Rig, desc: Descriptors) -> tuple[float, dict[str, float]]:
     session, batches = rig.sessions["mooncake"], 0
     t0 = time.monotonic()
-    for b in d.split(desc, 2000):  # the engine's per-peer batch limit (DESIGN §5.4)
+    for b in d.split(desc, 2000):  # the engine's per-peer batch limit (docs/TRANSFER.md)
         rc = rig.raw.batch_transfer_sync_write(session, b.src, b.dst, b.lens)
         if rc != 0:
             raise RuntimeError(f"batch_transfer_sync_write of {len(b)} descriptors returned {rc}")

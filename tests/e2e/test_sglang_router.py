@@ -1,5 +1,5 @@
 """The real sglang-router 0.3.2 in PD mode in front of one prefill and one decode node (Mooncake
-over TCP): DESIGN §5.1 says our worker API must work behind it unmodified, so every request here
+over TCP): docs/PROTOCOL.md says our worker API must work behind it unmodified, so every request here
 goes to the router's port only. Greedy answers of ``/generate`` (single, batch, streamed),
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed and not) equal HF, alone and
 concurrently; requests the nodes refuse come back as a 4xx; both nodes end at idle memory.

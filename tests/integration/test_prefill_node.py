@@ -1,6 +1,6 @@
 """A running prefill node (real Mooncake over TCP): router-shaped requests, failures, bad input, aborts.
 
-Requests are shaped as sglang-router sends them to a prefill (DESIGN §5.1): ``stream: true``,
+Requests are shaped as sglang-router sends them to a prefill (docs/PROTOCOL.md): ``stream: true``,
 ``bootstrap_port: null``, batches with parallel room lists, OpenAI bodies with extra fields.
 Each failure scenario must end with the room failed within its configured bound,
 ``/debug/memory`` back at the idle baseline, and the node still serving a normal request.

@@ -50,7 +50,7 @@ ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # Base ConfigMap values that deliberately differ from the code's defaults (see base/kustomization.yaml).
 BASE_ENV_EXCEPTIONS = {"PDC_MOONCAKE_PROTOCOL"}
 # The sglang-router flags the manifests may use, as `python -m sglang_router.launch_router --help`
-# of 0.3.2 (the version DESIGN §5.1 measured) lists them; used when sglang_router is not installed.
+# of 0.3.2 (the version docs/PROTOCOL.md describes) lists them; used when sglang_router is not installed.
 ROUTER_FLAGS_032 = {
     "--pd-disaggregation": 0, "--prefill": "+", "--decode": 1, "--host": 1, "--port": 1,
     "--policy": 1, "--prefill-policy": 1, "--decode-policy": 1, "--worker-startup-timeout-secs": 1,

@@ -1,6 +1,6 @@
 """Mooncake transfer engine data plane (RDMA when a device exists, TCP otherwise).
 
-Facts this wrapper relies on (measured, see DESIGN §5.4): ``batch_transfer_sync_write`` returns
+Facts this wrapper relies on (measured, see docs/TRANSFER.md): ``batch_transfer_sync_write`` returns
 0 on success and < 0 on failure; a dead peer fails within ~1 s, a hung (SIGSTOPped) one
 blocks for ``MC_TRANSFER_TIMEOUT`` seconds (default 30; measured: values below 5 act as 5), so
 we set a short one; batches above ~2050 entries per peer
