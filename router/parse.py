@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.pd_contract import all_ints, bootstrap_fields as _contract_fields, is_int
+
 MAX_SEQUENCES = 4096  # per request; the nodes have their own (lower) limit and say so
 
 
@@ -35,20 +37,6 @@ def _bad(message: str) -> RouterError:
     return RouterError(400, message)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_INT = {int}
-
-
-def _all_ints(v: list) -> bool:
-    """Every item a JSON integer (not a bool), checked in C: prompts are thousands of ids. (The
-    API's ``common.server.parse_common.all_ints`` does the same; the router may import only
-    a few light ``common`` modules (no torch), see ARCHITECTURE "Packages".)"""
-    return set(map(type, v)) <= _INT
-
-
 def _ids_key(ids: list) -> str:
     # A separator after every id keeps prefixes prefixes. Joined in slices: one C-level join of
     # 500k ids held the GIL for 150 ms, and so the event loop, though a large body is inspected
@@ -59,7 +47,7 @@ def _ids_key(ids: list) -> str:
 def _n(v: Any, where: str) -> int:
     if v is None:
         return 1
-    if not _is_int(v) or v < 1:
+    if not is_int(v) or v < 1:
         raise _bad(f"'{where}' must be a positive integer, got {v!r}")
     return v
 
@@ -80,9 +68,9 @@ def _prompts(v: Any, field: str) -> tuple[int | None, str]:
     if isinstance(v, list) and v:
         if all(isinstance(p, str) for p in v):
             return len(v), v[0]
-        if _all_ints(v):
+        if all_ints(v):
             return None, _ids_key(v)
-        if all(isinstance(p, list) and p and _all_ints(p) for p in v):
+        if all(isinstance(p, list) and p and all_ints(p) for p in v):
             return len(v), _ids_key(v[0])
     raise _bad(f"'{field}' must be a string, a non-empty list of strings, a list of token ids or a list of "
                f"token-id lists")
@@ -125,8 +113,5 @@ def bootstrap_fields(info: RequestInfo, host: str, port: int | None, room: int) 
     """What the router adds to both legs' bodies. A batch of single samples gets one room per
     item (as sglang-router sends them); otherwise one scalar room, which the nodes spread over
     the request's sequences as room + i (the router reserved all of them)."""
-    if info.items is not None and info.sequences == info.items:
-        k = info.items
-        return {"bootstrap_host": [host] * k, "bootstrap_port": [port] * k,
-                "bootstrap_room": [room + i for i in range(k)]}
-    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    per_item = info.items is not None and info.sequences == info.items
+    return _contract_fields(host, port, room, info.items if per_item else None)

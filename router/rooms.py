@@ -12,7 +12,7 @@ import contextlib
 import secrets
 from collections.abc import Iterator
 
-MAX_ROOM = 2**63 - 1
+from common.pd_contract import MAX_ROOM
 
 
 class Rooms:

@@ -72,6 +72,7 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
+from common.pd_contract import MAX_ROOM
 from common.request import FinishReason, SamplingParams
 from common.timeline import StageTimes
 
@@ -79,9 +80,9 @@ logger = logging.getLogger(__name__)
 
 _STRUCT_OPTS = dict(tag_field="type", kw_only=True)
 
-# Rooms are minted in [0, 2^63-1] (docs/PROTOCOL.md §2, as SGLang's router) and the transfer's aux row stores
-# the room as int64; the API rejects anything larger before any work is done.
-MAX_BOOTSTRAP_ROOM = 2**63 - 1
+# Rooms are minted in [0, 2^63-1] (docs/PROTOCOL.md §2, as SGLang's router) and the transfer's
+# aux row stores the room as int64; the API rejects anything larger before any work is done.
+MAX_BOOTSTRAP_ROOM = MAX_ROOM
 
 
 # ---- API -> scheduler --------------------------------------------------------------------------

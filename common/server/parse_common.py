@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from common.ipc.protocol import MAX_BOOTSTRAP_ROOM
+from common.pd_contract import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, is_room, sequence_room
+from common.pd_contract import all_ints as all_ints, is_int as is_int  # the API's checks are the contract's
 from common.request import MAX_SEED, InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request
@@ -71,19 +72,6 @@ class ParsedRequest:
 
 def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_INT = {int}
-
-
-def all_ints(v: list) -> bool:
-    """Every item a JSON integer (not a bool): the check of a token-id list, in C (a prompt is
-    thousands of ids; a Python-level check per id cost more than the rest of parsing)."""
-    return set(map(type, v)) <= _INT
 
 
 def get_bool(body: dict, key: str, default: bool = False) -> bool:
@@ -164,21 +152,21 @@ def per_item(v: Any, count: int, what: str) -> list[Any]:
 
 
 def expand_bootstrap(body: dict, count: int, default_port: int) -> list[tuple[str | None, int | None, int | None]]:
-    hosts = per_item(body.get("bootstrap_host"), count, "bootstrap_host")
-    ports = per_item(body.get("bootstrap_port"), count, "bootstrap_port")
-    first = body.get("bootstrap_room")
-    if count > 1 and is_int(first) and 0 <= first <= MAX_BOOTSTRAP_ROOM:
+    hosts = per_item(body.get(BOOTSTRAP_HOST), count, BOOTSTRAP_HOST)
+    ports = per_item(body.get(BOOTSTRAP_PORT), count, BOOTSTRAP_PORT)
+    first = body.get(BOOTSTRAP_ROOM)
+    if count > 1 and is_room(first):
         # A room pairs one sequence on each side: consecutive rooms, as SGLang derives them.
-        rooms = [(first + i) % (MAX_BOOTSTRAP_ROOM + 1) for i in range(count)]
+        rooms = [sequence_room(first, i) for i in range(count)]
     else:  # a list, or a scalar broadcast (None, or out of range: reported below)
-        rooms = per_item(first, count, "bootstrap_room")
+        rooms = per_item(first, count, BOOTSTRAP_ROOM)
     out = []
     for host, port, room in zip(hosts, ports, rooms):
         if host is not None and not isinstance(host, str):
             raise bad_request(f"'bootstrap_host' must be a string, got {_type_name(host)}")
         if port is not None and not (is_int(port) and 0 < port < 65536):
             raise bad_request(f"'bootstrap_port' must be a port number or null, got {port!r}")
-        if room is not None and not (is_int(room) and 0 <= room <= MAX_BOOTSTRAP_ROOM):
+        if room is not None and not is_room(room):
             raise bad_request(f"'bootstrap_room' must be an integer in [0, 2^63-1], got {room!r}")
         if (host is None) != (room is None):
             raise bad_request("bootstrap_host and bootstrap_room must be given together")

@@ -28,8 +28,9 @@ ALLOWED = {
     "router": {"common"},
 }
 # The router and the registry are light processes: of common they use only these (no torch).
+# common.pd_contract is the router <-> node contract (stdlib only), shared rather than copied.
 NARROW = {
-    "router": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body"},
+    "router": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body", "common.pd_contract"},
     "bootstrap_server": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body"},
 }
 # The command-line tools in common/tools/ are programs on top of the packages, not part of one:
