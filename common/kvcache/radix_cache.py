@@ -283,29 +283,27 @@ class RadixCache:
         if any(n.lock_ref for n in branch):
             return 0
         del head.node.children[self._edge_key(child.key)]
-        pages = [p for n in branch for p in n.pages]
-        self.allocator.free(pages)
-        for page in pages:
-            self._owned[page] = 0
-        for n in branch:
-            n.evicted = True
-        self._total -= len(pages)
-        return len(pages)
+        return self._drop(branch)
 
     def reset(self) -> bool:
         """Drop every cached page (``/flush_cache``). Refused (False) while any lock is held."""
         nodes = list(self._nodes())
         if any(n.lock_ref for n in nodes):
             return False
+        self.root.children.clear()
+        self._drop(nodes)
+        return True
+
+    def _drop(self, nodes: list[RadixNode]) -> int:
+        """Free the pages of ``nodes``, already unlinked from the tree and unlocked. Pages freed."""
         pages = [p for n in nodes for p in n.pages]
         self.allocator.free(pages)
         for page in pages:
             self._owned[page] = 0
         for n in nodes:
             n.evicted = True
-        self.root.children.clear()
-        self._total = 0
-        return True
+        self._total -= len(pages)
+        return len(pages)
 
     # -- integrity --------------------------------------------------------------------------
 
