@@ -7,6 +7,7 @@ warpers), so one request alone behaves like transformers with the same settings:
         │
         ├─ repetition penalty over prompt + output ids     HF: l/p if l > 0 else l*p
         ├─ frequency / presence penalty over output ids    OpenAI: l - f*count - p*[count > 0]
+        ├─ logit bias                                      OpenAI: l + bias[token]
         │
         ├─ greedy rows (temperature < 1e-5 or top_k 1) ─► argmax ────────────────────► token
         │
@@ -139,6 +140,24 @@ def apply_penalties(
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Return logits plus each row's OpenAI ``logit_bias`` (a new tensor). logits: [B, V] float32."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias.items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(b)
+    device = logits.device
+    bias = torch.zeros_like(logits)  # [B, V]
+    bias[torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)] = (
+        torch.tensor(vals, dtype=torch.float32, device=device)  # [N] one entry per (row, token)
+    )
+    return logits + bias
+
+
 def filter_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -229,6 +248,8 @@ class Sampler:
         greedy = [p.is_greedy for p in params]
         if penalised:
             logits = apply_penalties(logits, params, output_ids, prompt_ids)  # [B, V]
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)  # [B, V]
         if all(greedy):
             token_ids = torch.argmax(logits, dim=-1)  # [B] int64; fast path, nothing else runs
         else:
