@@ -36,7 +36,7 @@ from common.server.textio import TokenizerLike
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                   "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens")
 _UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "suffix", "echo",
-                "min_tokens", "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
+                "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
                 "tools", "functions", "continue_final_message")
 
 
@@ -101,6 +101,7 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
     fields = {k: body.get(k) for k in _SAMPLING_KEYS}
     fields["max_new_tokens"] = max_new
     fields["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    fields["min_new_tokens"] = body.get("min_tokens")  # vLLM's name for SGLang's min_new_tokens
     build_sampling(fields)  # type errors once, before the fan-out
     boots = expand_bootstrap(body, count, cfg.bootstrap_port)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"

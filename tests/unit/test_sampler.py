@@ -390,3 +390,28 @@ def test_logit_bias_validation(bias: dict[int, float], msg: str) -> None:
 
     with pytest.raises(InvalidRequest, match=msg.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(logit_bias=bias).validate(vocab_size=V)
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids_like_hf() -> None:
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    logits = _logits(1)  # [1, V]
+    eos = int(torch.argmax(logits[0]))
+    stop = int(torch.topk(logits[0], 2).indices[1])
+    p = SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=[stop])
+    sampler = Sampler(seed=0, eos_token_ids=[eos])
+    proc = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=1, min_new_tokens=2, eos_token_id=[eos, stop])
+    for step in range(4):
+        ids = torch.zeros(1, 1 + step, dtype=torch.int64)  # [1, prompt + generated]
+        ref = int(torch.argmax(proc(ids, logits.clone())[0]))
+        assert sampler.sample(logits, [p], [[0] * step]).token_ids.item() == ref
+    # Before min_new_tokens neither end id can come out; at it the argmax (eos) is allowed again.
+    assert sampler.sample(logits, [p], [[0]]).token_ids.item() not in (eos, stop)
+    assert sampler.sample(logits, [p], [[0, 0]]).token_ids.item() == eos
+
+
+def test_min_new_tokens_above_max_is_rejected() -> None:
+    from common.request import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=3, min_new_tokens=4).validate()
