@@ -153,9 +153,9 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
             vals.append(b)
     device = logits.device
     bias = torch.zeros_like(logits)  # [B, V]
-    bias[torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)] = (
-        torch.tensor(vals, dtype=torch.float32, device=device)  # [N] one entry per (row, token)
-    )
+    r = torch.tensor(rows, dtype=torch.int64, device=device)  # [N] one entry per (row, token)
+    c = torch.tensor(cols, dtype=torch.int64, device=device)  # [N]
+    bias[r, c] = torch.tensor(vals, dtype=torch.float32, device=device)  # [N]
     return logits + bias
 
 
@@ -291,9 +291,9 @@ class Sampler:
             return logits
         device = logits.device
         out = logits.clone()  # [B, V]
-        out[torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)] = (
-            float("-inf")
-        )
+        r = torch.tensor(rows, dtype=torch.int64, device=device)  # [N]
+        c = torch.tensor(cols, dtype=torch.int64, device=device)  # [N]
+        out[r, c] = float("-inf")
         return out
 
     def _sample_mixed(

@@ -384,7 +384,9 @@ def test_logit_bias_minus_100_excludes_token_from_sampling() -> None:
         assert tok == V - 1
 
 
-@pytest.mark.parametrize("bias,msg", [({1: 101.0}, "in [-100, 100]"), ({-1: 1.0}, ">= 0"), ({V: 1.0}, "outside vocabulary")])
+@pytest.mark.parametrize("bias,msg", [
+    ({1: 101.0}, "in [-100, 100]"), ({-1: 1.0}, ">= 0"), ({V: 1.0}, "outside vocabulary"),
+])
 def test_logit_bias_validation(bias: dict[int, float], msg: str) -> None:
     from common.request import InvalidRequest
 

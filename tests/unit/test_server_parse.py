@@ -208,7 +208,8 @@ def test_completion_logit_bias_string_keys_become_token_ids(cfg: ApiConfig, tok:
 
 
 def test_min_tokens_maps_to_min_new_tokens(cfg: ApiConfig, tok: Tokenizer) -> None:
-    assert parse_completion({"prompt": "a", "max_tokens": 8, "min_tokens": 3}, cfg, tok).subs[0].sampling.min_new_tokens == 3
+    req = parse_completion({"prompt": "a", "max_tokens": 8, "min_tokens": 3}, cfg, tok)
+    assert req.subs[0].sampling.min_new_tokens == 3
     bad(parse_completion, {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, cfg, tok, "min_new_tokens")
 
 
