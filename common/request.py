@@ -41,6 +41,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # OpenAI logit_bias: token id -> additive bias in [-100, 100], applied after penalties and
+    # before greedy/sampling; logprobs stay the raw model's. Travels prefill -> decode with the rest.
+    logit_bias: dict[int, float] = {}
+    # SGLang min_new_tokens / OpenAI-extension min_tokens: EOS and stop_token_ids are masked out
+    # while fewer output tokens exist (HF MinNewTokensLengthLogitsProcessor). Stop strings still apply.
+    min_new_tokens: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -73,7 +79,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise bad(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        for t, b in self.logit_bias.items():
+            if not math.isfinite(b) or not -100.0 <= b <= 100.0:
+                raise bad(f"logit_bias for token {t} must be in [-100, 100], got {b}")
+            if t < 0:
+                raise bad(f"logit_bias token id {t} must be >= 0")
         if vocab_size is not None:
+            for t in self.logit_bias:
+                if t >= vocab_size:
+                    raise bad(f"logit_bias token id {t} outside vocabulary [0, {vocab_size})")
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     raise bad(f"stop_token_ids entry {t} outside vocabulary [0, {vocab_size})")

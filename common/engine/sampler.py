@@ -7,6 +7,8 @@ warpers), so one request alone behaves like transformers with the same settings:
         │
         ├─ repetition penalty over prompt + output ids     HF: l/p if l > 0 else l*p
         ├─ frequency / presence penalty over output ids    OpenAI: l - f*count - p*[count > 0]
+        ├─ logit bias                                      OpenAI: l + bias[token]
+        ├─ min_new_tokens: EOS + stop_token_ids → -inf     HF MinNewTokensLengthLogitsProcessor
         │
         ├─ greedy rows (temperature < 1e-5 or top_k 1) ─► argmax ────────────────────► token
         │
@@ -139,6 +141,24 @@ def apply_penalties(
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Return logits plus each row's OpenAI ``logit_bias`` (a new tensor). logits: [B, V] float32."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias.items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(b)
+    device = logits.device
+    bias = torch.zeros_like(logits)  # [B, V]
+    r = torch.tensor(rows, dtype=torch.int64, device=device)  # [N] one entry per (row, token)
+    c = torch.tensor(cols, dtype=torch.int64, device=device)  # [N]
+    bias[r, c] = torch.tensor(vals, dtype=torch.float32, device=device)  # [N]
+    return logits + bias
+
+
 def filter_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -176,10 +196,13 @@ class Sampler:
     """Stateless apart from the generator unseeded rows draw from.
 
     ``seed`` fixes that generator (tests, benchmarks); None seeds it from the OS.
+    ``eos_token_ids`` are the model's end ids, masked (with each row's stop_token_ids) for rows
+    that have not reached their ``min_new_tokens`` yet.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self._seed = seed
+        self._eos = tuple(eos_token_ids)
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[torch.device, torch.Generator] = {}
 
@@ -229,6 +252,10 @@ class Sampler:
         greedy = [p.is_greedy for p in params]
         if penalised:
             logits = apply_penalties(logits, params, output_ids, prompt_ids)  # [B, V]
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)  # [B, V]
+        if any(len(o) < p.min_new_tokens for p, o in zip(params, output_ids)):
+            logits = self._mask_ends(logits, params, output_ids)  # [B, V]
         if all(greedy):
             token_ids = torch.argmax(logits, dim=-1)  # [B] int64; fast path, nothing else runs
         else:
@@ -248,6 +275,26 @@ class Sampler:
             want_logprob=want_lp,
             top_nums=[n if w else 0 for n, w in zip(top_nums, want_lp)],
         )
+
+    def _mask_ends(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """-inf at the end ids of rows still short of min_new_tokens. logits: [B, V] float32."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, o) in enumerate(zip(params, output_ids)):
+            if len(o) < p.min_new_tokens:
+                for t in set(self._eos) | set(p.stop_token_ids):
+                    rows.append(i)
+                    cols.append(t)
+        if not rows:
+            return logits
+        device = logits.device
+        out = logits.clone()  # [B, V]
+        r = torch.tensor(rows, dtype=torch.int64, device=device)  # [N]
+        c = torch.tensor(cols, dtype=torch.int64, device=device)  # [N]
+        out[r, c] = float("-inf")
+        return out
 
     def _sample_mixed(
         self,

@@ -98,8 +98,9 @@ class NodeProcess:
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
         try:
+            sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids)  # masks ends before min_new_tokens
             self.scheduler, self.stats = part.build_scheduler(
-                self.runner, EngineDriver(self.runner, Sampler()), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
+                self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
                 self.manager)
             self.io = NodeIO(endpoints, self.stats)
             self.manager.set_state_listener(self.io.wake)

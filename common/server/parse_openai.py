@@ -35,8 +35,8 @@ from common.server.textio import TokenizerLike
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                   "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens")
-_UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "logit_bias", "suffix", "echo",
-                "min_tokens", "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
+_UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "suffix", "echo",
+                "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
                 "tools", "functions", "continue_final_message")
 
 
@@ -77,6 +77,24 @@ def _max_tokens(body: dict, default: int) -> int:
     return v
 
 
+def _logit_bias(v: Any) -> dict[int, float] | None:
+    """OpenAI's ``{"<token id>": bias}`` (JSON keys are strings) as ``{token id: bias}``."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad_request(f"'logit_bias' key {k!r} is not a token id") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise bad_request(f"'logit_bias' value for token {k} must be a number")
+        out[tid] = float(b)
+    return out
+
+
 def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts: list[list[int]], n: int,
              max_new: int, logprob: bool, top: int, stream: bool, include_usage: bool) -> ParsedRequest:
     count = len(prompts) * n
@@ -84,6 +102,8 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
         raise bad_request(f"{count} sequences in one request; the limit is {cfg.max_batch_size}")
     fields = {k: body.get(k) for k in _SAMPLING_KEYS}
     fields["max_new_tokens"] = max_new
+    fields["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    fields["min_new_tokens"] = body.get("min_tokens")  # vLLM's name for SGLang's min_new_tokens
     build_sampling(fields)  # type errors once, before the fan-out
     boots = expand_bootstrap(body, count, cfg.bootstrap_port)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"

@@ -355,3 +355,65 @@ def test_logprobs_are_raw_model_logprobs() -> None:
 def test_batch_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="batch of 2"):
         Sampler(seed=0).sample(_logits(2), [SamplingParams()], [[], []])
+
+
+def test_logit_bias_matches_hf_sequence_bias_and_keeps_raw_logprobs() -> None:
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    logits = _logits(3)  # [3, V]
+    biases = [{3: 100.0}, {int(torch.argmax(logits[1])): -100.0, 7: 5.5}, {}]
+    params = [SamplingParams(temperature=0.0, logit_bias=b, return_logprob=True) for b in biases]
+    out = Sampler(seed=0).sample(logits, params, [[], [], []])
+    for i, b in enumerate(biases):
+        proc = SequenceBiasLogitsProcessor({(t,): v for t, v in b.items()}) if b else None
+        row = logits[i : i + 1].clone()  # [1, V]
+        ref = proc(torch.zeros(1, 1, dtype=torch.int64), row) if proc else row  # [1, V]
+        assert out.token_ids[i].item() == int(torch.argmax(ref[0]))
+    assert out.token_ids[0].item() == 3
+    raw = torch.log_softmax(logits, dim=-1)  # [3, V]
+    assert out.logprobs is not None
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+
+
+def test_logit_bias_minus_100_excludes_token_from_sampling() -> None:
+    logits = torch.zeros(1, V)  # [1, V] uniform
+    banned = {t: -100.0 for t in range(V - 1)}
+    p = SamplingParams(temperature=1.0, seed=5, logit_bias=banned)
+    for step in range(20):
+        tok = Sampler(seed=0).sample(logits, [p], [[0] * step]).token_ids.item()
+        assert tok == V - 1
+
+
+@pytest.mark.parametrize("bias,msg", [
+    ({1: 101.0}, "in [-100, 100]"), ({-1: 1.0}, ">= 0"), ({V: 1.0}, "outside vocabulary"),
+])
+def test_logit_bias_validation(bias: dict[int, float], msg: str) -> None:
+    from common.request import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(logit_bias=bias).validate(vocab_size=V)
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids_like_hf() -> None:
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    logits = _logits(1)  # [1, V]
+    eos = int(torch.argmax(logits[0]))
+    stop = int(torch.topk(logits[0], 2).indices[1])
+    p = SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=[stop])
+    sampler = Sampler(seed=0, eos_token_ids=[eos])
+    proc = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=1, min_new_tokens=2, eos_token_id=[eos, stop])
+    for step in range(4):
+        ids = torch.zeros(1, 1 + step, dtype=torch.int64)  # [1, prompt + generated]
+        ref = int(torch.argmax(proc(ids, logits.clone())[0]))
+        assert sampler.sample(logits, [p], [[0] * step]).token_ids.item() == ref
+    # Before min_new_tokens neither end id can come out; at it the argmax (eos) is allowed again.
+    assert sampler.sample(logits, [p], [[0]]).token_ids.item() not in (eos, stop)
+    assert sampler.sample(logits, [p], [[0, 0]]).token_ids.item() == eos
+
+
+def test_min_new_tokens_above_max_is_rejected() -> None:
+    from common.request import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=3, min_new_tokens=4).validate()

@@ -48,6 +48,11 @@ def test_generate_single_text(cfg: ApiConfig, tok: Tokenizer) -> None:
     assert sub.bootstrap_room is None and sub.bootstrap_host is None and sub.bootstrap_port is None
 
 
+def test_generate_min_new_tokens_reaches_sampling(cfg: ApiConfig, tok: Tokenizer) -> None:
+    req = parse_generate({"text": "a", "sampling_params": {"max_new_tokens": 5, "min_new_tokens": 2}}, cfg, tok)
+    assert req.subs[0].sampling.min_new_tokens == 2
+
+
 def test_generate_batch_with_n_fans_out_item_major(cfg: ApiConfig, tok: Tokenizer) -> None:
     rooms = [11, 12, 13, 14]
     req = parse_generate({"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"n": 2, "max_new_tokens": 3},
@@ -197,6 +202,17 @@ def test_completion_extras_map_to_sampling(cfg: ApiConfig, tok: Tokenizer) -> No
     assert all(x.sampling.max_new_tokens == 4 for x in req.subs)
 
 
+def test_completion_logit_bias_string_keys_become_token_ids(cfg: ApiConfig, tok: Tokenizer) -> None:
+    req = parse_completion({"prompt": "a", "n": 2, "logit_bias": {"5": 1, "7": -100.0}}, cfg, tok)
+    assert [s.sampling.logit_bias for s in req.subs] == [{5: 1.0, 7: -100.0}] * 2
+
+
+def test_min_tokens_maps_to_min_new_tokens(cfg: ApiConfig, tok: Tokenizer) -> None:
+    req = parse_completion({"prompt": "a", "max_tokens": 8, "min_tokens": 3}, cfg, tok)
+    assert req.subs[0].sampling.min_new_tokens == 3
+    bad(parse_completion, {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, cfg, tok, "min_new_tokens")
+
+
 def test_completion_default_max_tokens_is_16(cfg: ApiConfig, tok: Tokenizer) -> None:
     assert parse_completion({"prompt": "a"}, cfg, tok).subs[0].sampling.max_new_tokens == 16
 
@@ -212,7 +228,11 @@ def test_completion_default_max_tokens_is_16(cfg: ApiConfig, tok: Tokenizer) -> 
     ({"prompt": "a", "temperature": "hot"}, ["temperature"]),
     ({"prompt": "a", "logprobs": 30}, ["logprobs"]),
     ({"prompt": "a", "echo": True}, ["echo", "not supported"]),
-    ({"prompt": "a", "logit_bias": {"5": 1}}, ["logit_bias"]),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, ["logit_bias", "not a token id"]),
+    ({"prompt": "a", "logit_bias": {"5": "1"}}, ["logit_bias", "number"]),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, ["logit_bias", "[-100, 100]"]),
+    ({"prompt": "a", "logit_bias": {"99999999": 1}}, ["logit_bias", "outside vocabulary"]),
+    ({"prompt": "a", "logit_bias": [1]}, ["logit_bias", "object"]),
     ({"prompt": "a", "best_of": 3}, ["best_of"]),
     ({"prompt": "a", "stream_options": 3}, ["stream_options"]),
     ({"prompt": "a", "response_format": {"type": "json_object"}}, ["response_format"]),
