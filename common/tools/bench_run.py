@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import aiohttp
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from common.tools import bench_report as report
 from common.tools.bench_client import RequestResult, Target, send
 from common.tools.bench_nodes import compare, format_nodes, snapshot
-from common.tools.bench_plots import write_plots
+from common.tools.bench_plots import write_goodput_plot, write_plots
 from common.tools.bench_workload import BenchRequest, make_workload
 from common.tools.local_cluster import LocalCluster, get_json
 
@@ -122,7 +123,8 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
         print(f"warm-up: {len(res) - len(bad)}/{len(res)} ok" + (f" (first failure: {bad[0]})" if bad else ""),
               flush=True)
     before = snapshot(nodes, a.idle_timeout)
-    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed)
+    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed,
+                         getattr(a, "mix", None))
     load_before = os.getloadavg()
     print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
           f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
@@ -149,6 +151,44 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
         doc["plots"] = write_plots(a.json_path, results, duration)
         print("plots: " + ", ".join(p["png"] for p in doc["plots"].values()))
     return (0 if summary["failed"] == 0 and leak_clean else 1), doc
+
+
+def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tuple[int, dict]:
+    """``run_once`` as is, or with ``--request-rate-sweep`` once per rate (warm-up only before the
+    first). Each rate's full document goes to ``STEM.rate<R>.json`` (and its plots beside it); the
+    returned one lists every rate's goodput and, with --json, the goodput-against-rate PNG."""
+    rates = getattr(a, "rates", None)
+    if not rates:
+        return run_once()
+    json_path, warmup = a.json_path, a.warmup_requests
+    stem = os.path.splitext(json_path)[0] if json_path else None
+    rows, worst = [], 0
+    try:
+        for i, rate in enumerate(rates):
+            a.request_rate = rate
+            a.warmup_requests = warmup if i == 0 else 0
+            a.json_path = f"{stem}.rate{rate:g}.json" if stem else None
+            print(f"--- rate {rate:g} req/s ({i + 1}/{len(rates)}) ---", flush=True)
+            rc, doc = run_once()
+            write_json(a.json_path, doc)
+            worst = max(worst, rc)
+            if not doc:  # the target did not answer: no later rate can run either
+                break
+            s = doc["summary"]
+            rows.append({"rate": rate, "request_goodput": s["goodput"]["request_goodput"],
+                         "good_requests": s["goodput"]["good_requests"],
+                         "request_throughput": s["request_throughput"], "completed": s.get("completed"),
+                         "json": a.json_path})
+    finally:
+        a.json_path, a.warmup_requests = json_path, warmup
+    print("| rate (req/s) | goodput (req/s) | completed (req/s) |\n| ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['rate']:g} | {r['request_goodput']:.3f} | {r['request_throughput']:.3f} |")
+    out: dict = {"sweep": rows, "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms}
+    if json_path and rows:
+        out["plots"] = {"goodput": write_goodput_plot(f"{stem}.goodput.png", rows)}
+        print(f"plot: {stem}.goodput.png")
+    return worst, out
 
 
 def write_json(path: str | None, doc: dict) -> None:
@@ -197,7 +237,8 @@ def run_launched(a: argparse.Namespace, model: str) -> tuple[int, dict]:
         print(f"launched {', '.join(f'{n.name} {n.url}' for n in cluster.nodes)}; router {a.router}"
               f"{' ' + url if url else ''}; transfer backend {a.transfer_backend}, model {model}; pids "
               f"{' '.join(str(proc.pid) for proc in cluster.procs.values())}; logs in {cluster.logdir}", flush=True)
-        return bench(a, target, {n.name: n.url for n in cluster.nodes}, cluster)
+        nodes = {n.name: n.url for n in cluster.nodes}
+        return sweep(a, lambda: bench(a, target, nodes, cluster))
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
