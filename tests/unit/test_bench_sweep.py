@@ -66,3 +66,12 @@ def test_without_a_sweep_the_run_is_returned_unchanged() -> None:
     a = parse_args(["--url", "http://x"])
     assert check_args(a) is None
     assert sweep(a, lambda: (1, {"x": 1})) == (1, {"x": 1})
+
+
+def test_compare_sweep_table_gives_goodput_ratio_per_rate() -> None:
+    from common.tools.bench_peers import sweep_table
+
+    runs = {"pdcluster": {"sweep": [{"rate": 1.0, "request_goodput": 0.9}, {"rate": 2.0, "request_goodput": 1.5}]},
+            "vllm-cpu": {"sweep": [{"rate": 1.0, "request_goodput": 0.9}, {"rate": 2.0, "request_goodput": 0.5}]}}
+    lines = sweep_table(runs).splitlines()
+    assert lines[1].split()[-1] == "1.00x" and lines[2].split()[-1] == "3.00x"
