@@ -107,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r = ap.add_argument_group("report and bounds")
     r.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
     r.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    r.add_argument("--limits", default=None,
+                   help="bench_limits --json output: report the run's prefill efficiency against the measured peak")
     r.add_argument("--json", dest="json_path", help="write the full result (with per-request samples) here")
     r.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (both answers)")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole workload")
@@ -157,6 +159,8 @@ def check_args(a: argparse.Namespace) -> str | None:
         return "--input-len and --output-len must be >= 1, --range-ratio in [0, 1]"
     if not a.request_rate > 0:
         return "--request-rate must be > 0 (inf: all at once)"
+    if a.limits and not os.path.isfile(a.limits):
+        return f"--limits {a.limits}: no such file (write it with python -m common.tools.bench_limits --json)"
     a.mix = None
     if a.workload == "mixed":
         try:

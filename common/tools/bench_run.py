@@ -142,11 +142,12 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
     print(format_nodes(cmp))
     print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
+    eff = run_prefill_efficiency(a, info, nodes, cmp, results)
     doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
            "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
            "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
            "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
-           "requests": [asdict(r) for r in results]}
+           "prefill_efficiency": eff, "requests": [asdict(r) for r in results]}
     if a.json_path:  # pictures for people, next to the JSON; their series go into it too
         doc["plots"] = write_plots(a.json_path, results, duration)
         print("plots: " + ", ".join(p["png"] for p in doc["plots"].values()))
@@ -189,6 +190,34 @@ def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tu
         out["plots"] = {"goodput": write_goodput_plot(f"{stem}.goodput.png", rows)}
         print(f"plot: {stem}.goodput.png")
     return worst, out
+
+
+def run_prefill_efficiency(a: argparse.Namespace, info: dict, nodes: dict[str, str], cmp: dict,
+                           results: list[RequestResult]) -> dict | None:
+    """With ``--limits``: the run's prefill efficiency (common/tools/bench_efficiency.py), printed."""
+    if not getattr(a, "limits", None):
+        return None
+    from common.tools.bench_efficiency import prefill_efficiency
+    from common.tools.bench_limits import load
+    from common.tools.roofline import Shape
+
+    prefill_url = next((u for n, u in nodes.items() if n.startswith("prefill")), None)
+    try:
+        with open(os.path.join(str(info.get("model_path")), "config.json")) as f:
+            shape = Shape.from_config(json.load(f))
+        threads = int(get_json(f"{prefill_url}/server_info")["cpu"]["threads"]) if prefill_url else 0
+        limits = load(a.limits)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"prefill efficiency: not available ({exc})")
+        return None
+    eff = prefill_efficiency(shape, results, {n: c["counter_deltas"] for n, c in cmp.items()}, limits, threads)
+    if eff is None:
+        print("prefill efficiency: not available (no prefill forward time in the nodes' counters)")
+    else:
+        print(f"prefill efficiency: {eff['gflops_per_s']:.1f} GFLOP/s over {eff['forward_s']:.2f} s of forwards = "
+              f"{100 * eff['efficiency']:.1f} % of the {eff['peak_gflops']:.1f} GFLOP/s peak at "
+              f"{eff['threads']:g} thread(s)")
+    return eff
 
 
 def write_json(path: str | None, doc: dict) -> None:
