@@ -156,18 +156,20 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
 
 def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tuple[int, dict]:
     """``run_once`` as is, or with ``--request-rate-sweep`` once per rate (warm-up only before the
-    first). Each rate's full document goes to ``STEM.rate<R>.json`` (and its plots beside it); the
+    first; the seed + i for the i-th rate, so no rate re-sends the prompts the prefix cache holds from
+    the last). Each rate's full document goes to ``STEM.rate<R>.json`` (and its plots beside it); the
     returned one lists every rate's goodput and, with --json, the goodput-against-rate PNG."""
     rates = getattr(a, "rates", None)
     if not rates:
         return run_once()
-    json_path, warmup = a.json_path, a.warmup_requests
+    json_path, warmup, seed = a.json_path, a.warmup_requests, a.seed
     stem = os.path.splitext(json_path)[0] if json_path else None
     rows, worst = [], 0
     try:
         for i, rate in enumerate(rates):
             a.request_rate = rate
             a.warmup_requests = warmup if i == 0 else 0
+            a.seed = seed + i  # new prompts per rate: the same ones would hit the prefix cache of the last
             a.json_path = f"{stem}.rate{rate:g}.json" if stem else None
             print(f"--- rate {rate:g} req/s ({i + 1}/{len(rates)}) ---", flush=True)
             rc, doc = run_once()
@@ -181,7 +183,7 @@ def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tu
                          "request_throughput": s["request_throughput"], "completed": s.get("completed"),
                          "json": a.json_path})
     finally:
-        a.json_path, a.warmup_requests = json_path, warmup
+        a.json_path, a.warmup_requests, a.seed = json_path, warmup, seed
     print("| rate (req/s) | goodput (req/s) | completed (req/s) |\n| ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['rate']:g} | {r['request_goodput']:.3f} | {r['request_throughput']:.3f} |")

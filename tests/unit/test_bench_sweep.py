@@ -46,20 +46,20 @@ def test_sweep_runs_each_rate_and_plots_goodput(tmp_path: Path) -> None:
     seen = []
 
     def run_once() -> tuple[int, dict]:
-        seen.append((a.request_rate, a.warmup_requests, a.json_path))
+        seen.append((a.request_rate, a.warmup_requests, a.seed, a.json_path))
         good = min(a.request_rate, 2.0)  # a stand-in engine that saturates at 2 req/s
         return 0, {"summary": {"request_throughput": a.request_rate, "completed": 10,
                                "goodput": {"request_goodput": good, "good_requests": int(5 * good)}}}
 
     rc, doc = sweep(a, run_once)
     assert rc == 0
-    assert [s[:2] for s in seen] == [(1.0, 1), (2.0, 0), (4.0, 0)]
+    assert [s[:3] for s in seen] == [(1.0, 1, 1), (2.0, 0, 2), (4.0, 0, 3)]
     assert [r["request_goodput"] for r in doc["sweep"]] == [1.0, 2.0, 2.0]
-    for _, _, path in seen:
+    for *_, path in seen:
         assert json.loads(Path(path).read_text())["summary"]["completed"] == 10
     png = Path(doc["plots"]["goodput"]["png"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert a.json_path == str(tmp_path / "run.json") and a.warmup_requests == 1  # restored
+    assert a.json_path == str(tmp_path / "run.json") and (a.warmup_requests, a.seed) == (1, 1)  # restored
 
 
 def test_without_a_sweep_the_run_is_returned_unchanged() -> None:
