@@ -6,8 +6,14 @@ host (each spins its OpenMP threads against the other's). The default stays; thi
 case visible. The signal is cheap and read from /proc only: a pdcluster node's API process is one
 whose command line runs ``pdcluster prefill|decode`` or ``-m prefill_node|decode_node``; its
 scheduler is a child of that process (a multiprocessing spawn child, whose own command line names
-nothing). A scheduler whose allowed cores (``Cpus_allowed_list``) overlap ours, and that is not
-part of our own node, is reported. Processes that vanish or cannot be read mid-scan are skipped.
+nothing; of a node's children, the one with most OS threads is taken as its scheduler, the others
+are helpers such as multiprocessing's resource tracker). A node whose scheduler's allowed cores
+(``Cpus_allowed_list``) overlap ours, and that is not our own node, is a neighbour. The warning
+fires when we take more threads than our cores minus one per neighbour: each other node keeps at
+least one core busy, so ``pdcluster up`` splitting 2 cores between 2 nodes (1 thread each) stays
+quiet while a node left at its default (every core) next to another is flagged. It is a floor, not
+an exact count: a neighbour's torch threads cannot be read from /proc. Processes that vanish or
+cannot be read mid-scan are skipped.
 """
 from __future__ import annotations
 
@@ -83,7 +89,7 @@ def busy_neighbours(my_cores: set[int], *, proc: Path = Path("/proc"), self_pid:
         role = node_role(argv)
         if role is not None:
             nodes[pid] = role
-    found = []
+    best: dict[int, Neighbour] = {}  # node pid -> its child with most threads (its scheduler)
     for pid, ppid in sorted(parents.items()):
         if ppid not in nodes or ppid in (my_parent, self_pid) or pid == self_pid:
             continue
@@ -93,14 +99,15 @@ def busy_neighbours(my_cores: set[int], *, proc: Path = Path("/proc"), self_pid:
             threads = int(st.get("Threads", "1"))
         except (OSError, KeyError, ValueError):
             continue
-        if shared:
-            found.append(Neighbour(pid, ppid, nodes[ppid], tuple(sorted(shared)), threads))
-    return found
+        if ppid not in best or threads > best[ppid].threads:
+            best[ppid] = Neighbour(pid, ppid, nodes[ppid], tuple(sorted(shared)), threads)
+    return [n for _, n in sorted(best.items()) if n.cores]
 
 
-def warning_text(neighbours: list[Neighbour], my_threads: int) -> str | None:
-    """The start-up warning, or None when no other node shares our cores."""
-    if not neighbours:
+def warning_text(neighbours: list[Neighbour], my_threads: int, my_cores: int) -> str | None:
+    """The start-up warning, or None when our ``my_threads`` fit in our ``my_cores`` cores once
+    each neighbour has one (see the module docstring)."""
+    if not neighbours or my_threads <= my_cores - len(neighbours):
         return None
     who = "; ".join(f"{n.role} node pid {n.node_pid} (scheduler {n.pid}, {n.threads} threads) on cores "
                     f"{','.join(map(str, n.cores))}" for n in neighbours)

@@ -122,7 +122,8 @@ def warn_if_colocated(threads: int) -> None:
     from common.colocation import busy_neighbours, warning_text
 
     try:
-        text = warning_text(busy_neighbours(set(allowed_cpus())), threads)
+        cores = set(allowed_cpus())
+        text = warning_text(busy_neighbours(cores), threads, len(cores))
     except OSError:
         return
     if text:

@@ -29,13 +29,15 @@ def test_other_nodes_scheduler_on_our_cores_is_reported(tmp_path: Path) -> None:
     _proc(tmp_path, 12, 10, SPAWN, "0-1")  # our node's other child (resource tracker): ours
     _proc(tmp_path, 20, 1, ["python", "-m", "decode_node"], "0-1")  # the other node
     _proc(tmp_path, 21, 20, SPAWN, "1,3", threads=5)  # its scheduler: shares core 1
+    _proc(tmp_path, 22, 20, SPAWN, "0-3", threads=2)  # its resource tracker: fewer threads, not reported
     _proc(tmp_path, 30, 1, ["python", "-m", "http.server"], "0-1")  # not a node
     _proc(tmp_path, 31, 30, SPAWN, "0-1")
     (tmp_path / "self").mkdir()  # non-numeric entries are skipped
     found = busy_neighbours({0, 1}, proc=tmp_path, self_pid=11)
     assert [(n.pid, n.node_pid, n.role, n.cores, n.threads) for n in found] == [(21, 20, "decode", (1,), 5)]
-    text = warning_text(found, 2)
+    text = warning_text(found, 2, 2)  # default threads: every core, next to another node
     assert text is not None and "--cpu-threads" in text and "decode node pid 20" in text
+    assert warning_text(found, 1, 2) is None  # the split `pdcluster up` gives: one core each
 
 
 def test_disjoint_cores_or_lone_node_give_no_warning(tmp_path: Path) -> None:
@@ -44,7 +46,7 @@ def test_disjoint_cores_or_lone_node_give_no_warning(tmp_path: Path) -> None:
     _proc(tmp_path, 20, 1, ["pdcluster", "decode"], "0-1")
     _proc(tmp_path, 21, 20, SPAWN, "1")  # pinned to the other core
     assert busy_neighbours({0}, proc=tmp_path, self_pid=11) == []
-    assert warning_text([], 1) is None
+    assert warning_text([], 1, 1) is None
 
 
 def test_real_proc_scan_finds_no_node_for_this_test_process() -> None:
