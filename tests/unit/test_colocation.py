@@ -54,3 +54,38 @@ def test_real_proc_scan_finds_no_node_for_this_test_process() -> None:
 
     found = busy_neighbours(set(os.sched_getaffinity(0)))
     assert all(n.pid != os.getpid() for n in found)
+
+
+def test_a_real_dummy_node_and_its_child_are_found_in_proc() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    # argv ends "pdcluster prefill": /proc shows it as a prefill node's API process; its child
+    # (a sleeping python) stands for the scheduler.
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(c.pid, flush=True); time.sleep(60)")
+    node = subprocess.Popen([sys.executable, "-c", code, "pdcluster", "prefill"], stdout=subprocess.PIPE, text=True)
+    child = -1
+    try:
+        assert node.stdout is not None
+        child = int(node.stdout.readline())
+        mine = set(os.sched_getaffinity(0))
+        deadline = time.monotonic() + 10
+        found: list = []
+        while time.monotonic() < deadline and not found:
+            found = [n for n in busy_neighbours(mine) if n.node_pid == node.pid]
+            time.sleep(0.05)
+        assert [(n.pid, n.role) for n in found] == [(child, "prefill")]
+        assert set(found[0].cores) == mine & set(os.sched_getaffinity(child))
+    finally:
+        for pid in (child, node.pid):
+            if pid > 0:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        node.wait(timeout=10)
+        if node.stdout is not None:
+            node.stdout.close()
