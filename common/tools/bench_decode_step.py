@@ -10,6 +10,11 @@ prints ms per step and per token; the model and threads are those of a node
 
     python -m common.tools.bench_decode_step --model-path DIR [--batch 1,8,20,32] [--context 160]
         [--steps 200] [--page-size 16] [--torch-decode-mirror-mib 1024|0] [--json PATH]
+        [--limits LIMITS.json]
+
+With ``--limits`` (the ``--json`` of ``python -m common.tools.bench_limits``) each row also shows
+the step's roofline, max(bytes read / bandwidth, FLOPs / peak) for the row of ``--cpu-threads``
+(common/tools/roofline.py, at the mean context of the timed steps), and the measured step over it.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +33,7 @@ from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
 from common.engine.sampler import Sampler
 from common.models import ModelLoadError
 from common.request import SamplingParams
+from common.tools import bench_limits, roofline
 
 
 def step_ms(runner: ModelRunner, batch: int, context: int, warmup: int, steps: int, seed: int) -> float:
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path")
+    p.add_argument("--limits", default=None, help="bench_limits --json output: report each step against its roofline")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",")]
     if min(batches) < 1 or a.context < 1 or a.steps < 1 or a.warmup < 0 or a.cpu_threads < 1:
@@ -97,14 +105,39 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelLoadError) as exc:
         print(f"bench_decode_step: {exc}", file=sys.stderr)
         return 2
+    limit_row, shape, dtype_bytes = None, None, 4
+    if a.limits:
+        try:
+            limit_row = bench_limits.for_threads(bench_limits.load(a.limits), a.cpu_threads)
+            model_cfg = json.loads((Path(a.model_path) / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            print(f"bench_decode_step: --limits: {exc}", file=sys.stderr)
+            return 2
+        shape = roofline.Shape.from_config(model_cfg)
+        dtype_bytes = 2 if model_cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
     rows = []
     print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, "
           f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")
-    print("| batch | ms / step | us / token |\n| ---: | ---: | ---: |")
+    if limit_row is None:
+        print("| batch | ms / step | us / token |\n| ---: | ---: | ---: |")
+    else:
+        print(f"roofline from {a.limits}: {limit_row['threads']} thread(s), {limit_row['read_gbs']:.1f} GB/s, "
+              f"{limit_row['fp32_gflops']:.1f} GFLOP/s")
+        print("| batch | ms / step | us / token | roofline ms | x roofline |\n| ---: | ---: | ---: | ---: | ---: |")
     for b in batches:
         ms = step_ms(runner, b, a.context, a.warmup, a.steps, a.seed)
-        rows.append({"batch": b, "ms_per_step": ms, "us_per_token": 1000 * ms / b})
-        print(f"| {b} | {ms:.3f} | {1000 * ms / b:.1f} |", flush=True)
+        row: dict[str, float] = {"batch": b, "ms_per_step": ms, "us_per_token": 1000 * ms / b}
+        line = f"| {b} | {ms:.3f} | {1000 * ms / b:.1f} |"
+        if limit_row is not None and shape is not None:
+            ctx = a.context + a.warmup + a.steps // 2  # the mean context of the timed steps
+            peak = limit_row["bf16_gflops" if dtype_bytes == 2 and "bf16_gflops" in limit_row else "fp32_gflops"]
+            roof_ms = 1000 * roofline.roofline_s(roofline.decode_flops(shape, b, ctx),
+                                                 roofline.decode_bytes(shape, b, ctx, dtype_bytes),
+                                                 peak * 1e9, limit_row["read_gbs"] * 1e9)
+            row.update(roofline_ms=roof_ms, x_roofline=ms / roof_ms)
+            line += f" {roof_ms:.3f} | {ms / roof_ms:.2f} |"
+        rows.append(row)
+        print(line, flush=True)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)

@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from common.tools.bench_client import Target
-from common.tools.bench_run import bench, exit_on_sigterm, run_launched, served_model, write_json
+from common.tools.bench_run import bench, exit_on_sigterm, run_launched, served_model, sweep, write_json
 from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
 
 PEER_SCRIPTS = {"vllm-cpu": os.path.join(CODE_ROOT, "scripts", "peers", "vllm_cpu.sh")}
@@ -51,7 +51,8 @@ def run_peer(a: argparse.Namespace, model: str) -> tuple[int, dict]:
         with open(os.path.join(model, "config.json")) as f:
             cfg = json.load(f)
         info = {"model_path": model, "context_length": cfg.get("max_position_embeddings")}
-        return bench(a, Target(url=url, endpoint="completions", model=served_model(url)), {}, peer, info)
+        target = Target(url=url, endpoint="completions", model=served_model(url))
+        return sweep(a, lambda: bench(a, target, {}, peer, info))
     finally:
         peer.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -83,14 +84,36 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(runs: dict[str, dict]) -> str:
+    """Goodput per rate of a --request-rate-sweep, one column per engine, then ours / peer."""
+    names = list(runs)
+    by_rate: dict[float, dict[str, float]] = {}
+    for name in names:
+        for row in runs[name].get("sweep", []):
+            by_rate.setdefault(row["rate"], {})[name] = row["request_goodput"]
+    lines = [f"{'rate req/s':<12}" + "".join(f"{n + ' goodput':>22}" for n in names) + f"{'ours/peer':>12}"]
+    for rate in sorted(by_rate):
+        cells = [by_rate[rate].get(n) for n in names]
+        ratio = f"{cells[0] / cells[1]:.2f}x" if len(cells) == 2 and cells[0] is not None and cells[1] else "-"
+        lines.append(f"{rate:<12g}" + "".join(f"{'-' if c is None else f'{c:.3f}':>22}" for c in cells) + f"{ratio:>12}")
+    return "\n".join(lines)
+
+
 def compare(a: argparse.Namespace, model: str) -> int:
     a.endpoint = "completions"
     runs: dict[str, dict] = {}
+    json_path = a.json_path
+    stem = os.path.splitext(json_path)[0] if json_path else None
+    swept = bool(getattr(a, "rates", None))
     print("==== pdcluster", flush=True)
+    a.json_path = f"{stem}.pdcluster.json" if swept and stem else json_path  # each engine's rate files apart
     rc_ours, runs["pdcluster"] = run_launched(a, model)
     print(f"==== {a.compare}", flush=True)
+    a.json_path = f"{stem}.{a.compare}.json" if swept and stem else json_path
     rc_peer, runs[a.compare] = run_peer(a, model)
+    a.json_path = json_path
     print(f"==== side by side (same checkpoint, workload, client and load; ratio = pdcluster / {a.compare})")
-    print(table(runs))
-    write_json(a.json_path, {"compare": a.compare, "runs": runs, "table": table(runs)})
+    text = sweep_table(runs) if swept else table(runs)
+    print(text)
+    write_json(a.json_path, {"compare": a.compare, "runs": runs, "table": text})
     return max(rc_ours, rc_peer)

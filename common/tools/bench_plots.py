@@ -130,3 +130,23 @@ def _save(fig: object, path: str, series: dict) -> dict:
     fig.savefig(path, dpi=80)  # type: ignore[attr-defined]
     plt.close(fig)  # type: ignore[arg-type]
     return {"png": path, "series": series}
+
+
+def write_goodput_plot(png_path: str, rows: Sequence[dict]) -> dict:
+    """Goodput (and throughput of completed requests) against the Poisson arrival rate of a
+    ``--request-rate-sweep``; ``rows`` are ``{"rate", "request_goodput", "request_throughput"}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {"rate": [r["rate"] for r in rows], "request_goodput": [r["request_goodput"] for r in rows],
+              "request_throughput": [r["request_throughput"] for r in rows]}
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(series["rate"], series["request_goodput"], marker="o", label="goodput (meets the SLOs)")
+    ax.plot(series["rate"], series["request_throughput"], marker="x", linestyle="--", label="completed")
+    ax.plot(series["rate"], series["rate"], color="grey", linewidth=0.8, label="offered")
+    ax.set(xlabel="arrival rate (req/s, Poisson)", ylabel="req/s", title="goodput against arrival rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, png_path, series)

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import aiohttp
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from common.tools import bench_report as report
 from common.tools.bench_client import RequestResult, Target, send
 from common.tools.bench_nodes import compare, format_nodes, snapshot
-from common.tools.bench_plots import write_plots
+from common.tools.bench_plots import write_goodput_plot, write_plots
 from common.tools.bench_workload import BenchRequest, make_workload
 from common.tools.local_cluster import LocalCluster, get_json
 
@@ -122,7 +123,8 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
         print(f"warm-up: {len(res) - len(bad)}/{len(res)} ok" + (f" (first failure: {bad[0]})" if bad else ""),
               flush=True)
     before = snapshot(nodes, a.idle_timeout)
-    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed)
+    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed,
+                         getattr(a, "mix", None))
     load_before = os.getloadavg()
     print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
           f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
@@ -140,15 +142,84 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
     print(format_nodes(cmp))
     print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
+    eff = run_prefill_efficiency(a, info, nodes, cmp, results)
     doc = {"args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in vars(a).items()},
            "target": asdict(target), "server_info": info, "summary": summary, "leak_check_clean": leak_clean,
            "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
            "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
-           "requests": [asdict(r) for r in results]}
+           "prefill_efficiency": eff, "requests": [asdict(r) for r in results]}
     if a.json_path:  # pictures for people, next to the JSON; their series go into it too
         doc["plots"] = write_plots(a.json_path, results, duration)
         print("plots: " + ", ".join(p["png"] for p in doc["plots"].values()))
     return (0 if summary["failed"] == 0 and leak_clean else 1), doc
+
+
+def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tuple[int, dict]:
+    """``run_once`` as is, or with ``--request-rate-sweep`` once per rate (warm-up only before the
+    first; the seed + i for the i-th rate, so no rate re-sends the prompts the prefix cache holds from
+    the last). Each rate's full document goes to ``STEM.rate<R>.json`` (and its plots beside it); the
+    returned one lists every rate's goodput and, with --json, the goodput-against-rate PNG."""
+    rates = getattr(a, "rates", None)
+    if not rates:
+        return run_once()
+    json_path, warmup, seed = a.json_path, a.warmup_requests, a.seed
+    stem = os.path.splitext(json_path)[0] if json_path else None
+    rows, worst = [], 0
+    try:
+        for i, rate in enumerate(rates):
+            a.request_rate = rate
+            a.warmup_requests = warmup if i == 0 else 0
+            a.seed = seed + i  # new prompts per rate: the same ones would hit the prefix cache of the last
+            a.json_path = f"{stem}.rate{rate:g}.json" if stem else None
+            print(f"--- rate {rate:g} req/s ({i + 1}/{len(rates)}) ---", flush=True)
+            rc, doc = run_once()
+            write_json(a.json_path, doc)
+            worst = max(worst, rc)
+            if not doc:  # the target did not answer: no later rate can run either
+                break
+            s = doc["summary"]
+            rows.append({"rate": rate, "request_goodput": s["goodput"]["request_goodput"],
+                         "good_requests": s["goodput"]["good_requests"],
+                         "request_throughput": s["request_throughput"], "completed": s.get("completed"),
+                         "json": a.json_path})
+    finally:
+        a.json_path, a.warmup_requests, a.seed = json_path, warmup, seed
+    print("| rate (req/s) | goodput (req/s) | completed (req/s) |\n| ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['rate']:g} | {r['request_goodput']:.3f} | {r['request_throughput']:.3f} |")
+    out: dict = {"sweep": rows, "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms}
+    if json_path and rows:
+        out["plots"] = {"goodput": write_goodput_plot(f"{stem}.goodput.png", rows)}
+        print(f"plot: {stem}.goodput.png")
+    return worst, out
+
+
+def run_prefill_efficiency(a: argparse.Namespace, info: dict, nodes: dict[str, str], cmp: dict,
+                           results: list[RequestResult]) -> dict | None:
+    """With ``--limits``: the run's prefill efficiency (common/tools/bench_efficiency.py), printed."""
+    if not getattr(a, "limits", None):
+        return None
+    from common.tools.bench_efficiency import prefill_efficiency
+    from common.tools.bench_limits import load
+    from common.tools.roofline import Shape
+
+    prefill_url = next((u for n, u in nodes.items() if n.startswith("prefill")), None)
+    try:
+        with open(os.path.join(str(info.get("model_path")), "config.json")) as f:
+            shape = Shape.from_config(json.load(f))
+        threads = int(get_json(f"{prefill_url}/server_info")["cpu"]["threads"]) if prefill_url else 0
+        limits = load(a.limits)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"prefill efficiency: not available ({exc})")
+        return None
+    eff = prefill_efficiency(shape, results, {n: c["counter_deltas"] for n, c in cmp.items()}, limits, threads)
+    if eff is None:
+        print("prefill efficiency: not available (no prefill forward time in the nodes' counters)")
+    else:
+        print(f"prefill efficiency: {eff['gflops_per_s']:.1f} GFLOP/s over {eff['forward_s']:.2f} s of forwards = "
+              f"{100 * eff['efficiency']:.1f} % of the {eff['peak_gflops']:.1f} GFLOP/s peak at "
+              f"{eff['threads']:g} thread(s)")
+    return eff
 
 
 def write_json(path: str | None, doc: dict) -> None:
@@ -197,7 +268,8 @@ def run_launched(a: argparse.Namespace, model: str) -> tuple[int, dict]:
         print(f"launched {', '.join(f'{n.name} {n.url}' for n in cluster.nodes)}; router {a.router}"
               f"{' ' + url if url else ''}; transfer backend {a.transfer_backend}, model {model}; pids "
               f"{' '.join(str(proc.pid) for proc in cluster.procs.values())}; logs in {cluster.logdir}", flush=True)
-        return bench(a, target, {n.name: n.url for n in cluster.nodes}, cluster)
+        nodes = {n.name: n.url for n in cluster.nodes}
+        return sweep(a, lambda: bench(a, target, nodes, cluster))
     finally:
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)

@@ -8,6 +8,11 @@ exactly the requested number of tokens, which makes token counts checkable.
 
 Arrivals are a Poisson process: exponential gaps with mean ``1 / rate``, the first request at 0.
 A rate of ``inf`` sends everything at once (a concurrency cap, if any, then paces the run).
+The ``mixed`` workload (``--workload mixed``) draws each prompt's length from a weighted list
+instead, ``--mixed-lengths 128:0.9,2048:0.1`` by default: 90 % short chat turns and 10 % long
+documents, the mix where a long prefill stalls an aggregated engine's decode (DistServe's case for
+disaggregation); output lengths still follow ``--output-len`` and ``--range-ratio``.
+
 Everything is drawn from one ``random.Random(seed)``: the same seed gives the same workload.
 """
 from __future__ import annotations
@@ -52,8 +57,27 @@ def arrival_offsets(rng: random.Random, n: int, rate: float) -> list[float]:
     return out
 
 
+DEFAULT_MIX = "128:0.9,2048:0.1"
+
+
+def parse_mix(text: str) -> list[tuple[int, float]]:
+    """``"128:0.9,2048:0.1"`` -> [(128, 0.9), (2048, 0.1)]; lengths >= 1, weights > 0 (normalised)."""
+    out = []
+    for part in text.split(","):
+        length, sep, weight = part.strip().partition(":")
+        try:
+            n, w = int(length), float(weight)
+        except ValueError:
+            raise ValueError(f"--mixed-lengths {text!r}: {part!r} is not LENGTH:WEIGHT") from None
+        if not sep or n < 1 or not w > 0:
+            raise ValueError(f"--mixed-lengths {text!r}: {part!r} needs a length >= 1 and a weight > 0")
+        out.append((n, w))
+    return out
+
+
 def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                  request_rate: float, seed: int) -> list[BenchRequest]:
+                  request_rate: float, seed: int, mix: list[tuple[int, float]] | None = None) -> list[BenchRequest]:
+    """``mix`` (LENGTH, WEIGHT) pairs replace the uniform prompt-length draw when given."""
     if num_prompts < 1:
         raise ValueError(f"--num-prompts {num_prompts} must be >= 1")
     if vocab_size < 1:
@@ -61,7 +85,10 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio
     rng = random.Random(seed)
     in_lo, in_hi = length_bounds(input_len, range_ratio)
     out_lo, out_hi = length_bounds(output_len, range_ratio)
-    in_lens = [rng.randint(in_lo, in_hi) for _ in range(num_prompts)]
+    if mix:
+        in_lens = rng.choices([n for n, _ in mix], weights=[w for _, w in mix], k=num_prompts)
+    else:
+        in_lens = [rng.randint(in_lo, in_hi) for _ in range(num_prompts)]
     out_lens = [rng.randint(out_lo, out_hi) for _ in range(num_prompts)]
     arrivals = arrival_offsets(rng, num_prompts, request_rate)
     return [BenchRequest(i, [rng.randrange(vocab_size) for _ in range(n_in)], n_out, t)

@@ -26,3 +26,21 @@ def test_bad_arguments_exit_2(tiny_qwen3: str) -> None:
     assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "0"]) == 2
     assert bench_decode_step.main(["--model-path", tiny_qwen3 + "-missing"]) == 2
     assert bench_decode_step.main(["--model-path", tiny_qwen3, "--page-size", "3"]) == 2
+
+
+def test_limits_add_the_roofline_of_each_step(tiny_qwen3: str, tmp_path: Path) -> None:
+    from common.tools.roofline import Shape, decode_bytes, decode_flops
+
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"rows": [{"threads": 1, "read_gbs": 10.0, "fp32_gflops": 20.0}]}))
+    out = tmp_path / "step.json"
+    rc = bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "2", "--context", "20", "--warmup", "1",
+                                 "--steps", "4", "--limits", str(limits), "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    shape = Shape.from_config(json.loads((Path(tiny_qwen3) / "config.json").read_text()))
+    ctx = 20 + 1 + 2
+    want_ms = 1000 * max(decode_bytes(shape, 2, ctx) / 10e9, decode_flops(shape, 2, ctx) / 20e9)
+    assert row["roofline_ms"] == pytest.approx(want_ms)
+    assert row["x_roofline"] == pytest.approx(row["ms_per_step"] / want_ms)
+    assert bench_decode_step.main(["--model-path", tiny_qwen3, "--limits", str(tmp_path / "none.json")]) == 2

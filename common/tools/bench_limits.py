@@ -1,0 +1,120 @@
+"""``python -m common.tools.bench_limits``: this machine's limits, measured with torch.
+
+Per thread count (1..the cores this process may use): memory read bandwidth (a sum over a
+float32 buffer far larger than the caches, each byte read once per pass) and matmul peak (a
+square float32 ``torch.mm``; bfloat16 too when the CPU has AVX512-BF16 or AMX, where torch's
+oneDNN path runs it natively). Best of ``--repeat`` timed passes after one warm-up, because the
+question is what the machine can do, not what a noisy neighbour left. Prints a table; ``--json``
+writes the same numbers for bench / bench_decode_step to divide by (``--limits PATH`` there).
+
+    python -m common.tools.bench_limits [--threads 1,2] [--mib 512] [--n 1024] [--repeat 5]
+        [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.cpu_budget import allowed_cpus
+
+
+def cpu_has_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (Linux); elsewhere, assume not."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _best_s(fn: Any, repeat: int) -> float:
+    fn()  # warm-up: first-touch pages, oneDNN primitive creation
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bandwidth(mib: int, repeat: int) -> float:
+    """Bytes/s of one pass summing a ``mib`` MiB float32 buffer."""
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)  # [mib MiB / 4 bytes]
+    return buf.numel() * 4 / _best_s(lambda: buf.sum(), repeat)
+
+
+def matmul_peak(n: int, dtype: torch.dtype, repeat: int) -> float:
+    """FLOP/s of one ``n`` x ``n`` by ``n`` x ``n`` matmul (2 n^3 FLOPs)."""
+    a = torch.randn(n, n).to(dtype)  # [n, n]
+    b = torch.randn(n, n).to(dtype)  # [n, n]
+    return 2 * n**3 / _best_s(lambda: torch.mm(a, b), repeat)
+
+
+def measure(threads: list[int], mib: int, n: int, repeat: int, bf16: bool) -> list[dict[str, float]]:
+    rows = []
+    before = torch.get_num_threads()
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            row = {"threads": t, "read_gbs": read_bandwidth(mib, repeat) / 1e9,
+                   "fp32_gflops": matmul_peak(n, torch.float32, repeat) / 1e9}
+            if bf16:
+                row["bf16_gflops"] = matmul_peak(n, torch.bfloat16, repeat) / 1e9
+            rows.append(row)
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def for_threads(limits: dict[str, Any], threads: int) -> dict[str, float]:
+    """The row of a ``--json`` result for ``threads`` (the largest measured count not above it)."""
+    rows = sorted(limits["rows"], key=lambda r: r["threads"])
+    fit = [r for r in rows if r["threads"] <= threads] or rows[:1]
+    return fit[-1]
+
+
+def load(path: str) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    if not data.get("rows"):
+        raise ValueError(f"{path}: no 'rows' (write it with python -m common.tools.bench_limits --json)")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m common.tools.bench_limits", description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", default=None, help="comma list of thread counts (default: 1..cores)")
+    p.add_argument("--mib", type=int, default=512, help="bandwidth buffer size, far above the last-level cache")
+    p.add_argument("--n", type=int, default=1024, help="matmul side")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", default=None, help="also write the result here")
+    ns = p.parse_args(argv)
+    cores = len(allowed_cpus())
+    try:
+        threads = [int(x) for x in ns.threads.split(",")] if ns.threads else list(range(1, cores + 1))
+    except ValueError:
+        p.error(f"--threads {ns.threads!r}: expected a comma list of integers")
+    if any(t < 1 for t in threads) or ns.mib < 1 or ns.n < 1 or ns.repeat < 1:
+        p.error("--threads, --mib, --n and --repeat must be >= 1")
+    bf16 = cpu_has_bf16()
+    rows = measure(threads, ns.mib, ns.n, ns.repeat, bf16)
+    head = f"{'threads':>7} {'read GB/s':>10} {'fp32 GFLOP/s':>13}" + (f" {'bf16 GFLOP/s':>13}" if bf16 else "")
+    print(f"# torch {torch.__version__}, {cores} cores available, bf16 instructions: {'yes' if bf16 else 'no'}")
+    print(head)
+    for r in rows:
+        line = f"{r['threads']:>7} {r['read_gbs']:>10.1f} {r['fp32_gflops']:>13.1f}"
+        print(line + (f" {r['bf16_gflops']:>13.1f}" if bf16 else ""))
+    if ns.json:
+        out = {"torch": torch.__version__, "cores": cores, "bf16": bf16, "mib": ns.mib, "n": ns.n, "rows": rows}
+        Path(ns.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
