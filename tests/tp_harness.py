@@ -48,6 +48,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_ranks(target: Any, size: int = 2, timeout_s: float = 120.0) -> tuple[list[Any], list[int | None]]:
+    """Spawn ``size`` processes ``target(rank, port, queue)`` that join one group on a free port;
+    return what each put on the queue, sorted (fewer when a rank did not report in time), and
+    their exit codes. Every rank still alive afterwards is killed by PID."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, out), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    got: list[Any] = []
+    try:
+        for _ in procs:
+            got.append(out.get(timeout=timeout_s))
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                os.kill(p.pid, 9)  # type: ignore[arg-type]
+                p.join(timeout=10)
+    return sorted(got), [p.exitcode for p in procs]
+
+
 def prefill_kv(runner: Any, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefill ``prompt`` alone in ``runner``; every attention layer's K/V at its slots, copied."""
     from common.engine.model_runner import ExtendChunk

@@ -1,14 +1,11 @@
 """The TP group's collectives across two real processes (gloo over loopback), bounded in time."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
 from typing import Any
 
 import torch
 
-from tests.tp_harness import free_port
+from tests.tp_harness import run_ranks
 
 
 def _rank(rank: int, port: int, out: Any) -> None:
@@ -30,26 +27,11 @@ def _rank(rank: int, port: int, out: Any) -> None:
 
 
 def test_collectives_over_two_ranks() -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(out.get(timeout=120) for _ in procs)
-    except queue.Empty:
-        got = []
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                os.kill(p.pid, 9)  # type: ignore[arg-type]
-                p.join(timeout=10)
+    got, exitcodes = run_ranks(_rank)
     assert len(got) == 2, "a rank did not report within the time limit"
     for rank, total, low, high, ids, payload, empty in got:
         assert total == [1.5 + 3.0, -2.0 - 4.0]
         assert (low, high) == (10, 11)
         assert ids == [7, 8, 9]
         assert payload == "ünïcode 🚀 step".encode() and empty == b""
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert exitcodes == [0, 0]

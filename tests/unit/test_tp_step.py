@@ -3,12 +3,9 @@ every rank, room states are the MIN over the ranks, a flag the MAX, a divergence
 rank. Two real processes over gloo, bounded in time; tp = 1 issues no collective."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
 from typing import Any
 
-from tests.tp_harness import free_port
+from tests.tp_harness import run_ranks
 
 # KVPoll's values (transfer/poll.py): Failed 0, Bootstrapping 1, WaitingForInput 2,
 # Transferring 3, Success 4. Per rank: room -> its local poll.
@@ -49,22 +46,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
 
 
 def test_step_agreement_over_two_ranks() -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(out.get(timeout=120) for _ in procs)
-    except queue.Empty:
-        got = []
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                os.kill(p.pid, 9)  # type: ignore[arg-type]
-                p.join(timeout=10)
+    got, exitcodes = run_ranks(_rank)
     assert len(got) == 2, "a rank did not report within the time limit"
     for rank, encoded, clock, empty, empty_clock, polls, none, fenced, calm, short, swapped in got:
         assert (encoded, clock) == (b"\x01step-one", 123.25), rank
@@ -73,7 +55,7 @@ def test_step_agreement_over_two_ranks() -> None:
         assert none == {}
         assert fenced is True and calm is False
         assert (short, swapped) == ("diverged", "diverged"), rank
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert exitcodes == [0, 0]
 
 
 def test_single_rank_issues_no_collective() -> None:
