@@ -118,12 +118,13 @@ class _Bucket:
         rate = self.per_min / 60.0
         self.level = min(self.per_min, self.level + (now - self.at) * rate)
         self.at = now
-        if amount <= self.level:
+        # More than a minute's worth never fits the bucket: it goes once the bucket is full and
+        # leaves it in debt, which the refill pays before anything else goes.
+        need = min(amount, self.per_min)
+        if need <= self.level:
             self.level -= amount
             return 0.0
-        if amount > self.per_min:  # more than a minute's worth: wait for a full bucket, then it goes
-            return (self.per_min - self.level) / rate
-        return (amount - self.level) / rate
+        return (need - self.level) / rate
 
 
 @dataclass

@@ -155,3 +155,15 @@ def test_token_estimate() -> None:
     assert token_estimate({"max_tokens": 10}, 400, 2) == 100 + 20
     assert token_estimate({"sampling_params": {"max_new_tokens": 5}}, 40, 1) == 15
     assert token_estimate({}, 0, 1) == 128  # what a node gives a /generate body without it
+
+
+def test_a_request_larger_than_a_minutes_worth_goes_once_the_bucket_is_full_and_leaves_debt() -> None:
+    from router.clients import Clients, ClientSpec
+
+    clients = Clients()
+    big = ClientSpec("big", tokens_per_min=60.0)  # one token a second
+    assert clients.take(big, "tokens", 150.0, now=0.0) == 0.0  # a full bucket lets it through ...
+    wait = clients.take(big, "tokens", 10.0, now=1.0)  # ... into debt: 60 - 150 + 1 = -89
+    assert wait == pytest.approx(99.0)  # 10 more tokens need the debt paid first
+    assert clients.take(big, "tokens", 10.0, now=100.0) == 0.0
+    assert clients.take(big, "tokens", 150.0, now=101.0) == pytest.approx(59.0)  # level 1: waits for a full bucket
