@@ -32,7 +32,7 @@ from aiohttp import web
 
 from bootstrap_server.client import bootstrap_url
 from common.aio_body import BodyError, BodyLimits, read_body
-from common.auth import CHALLENGE_HEADER, PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
+from common.auth import CHALLENGE_HEADER, MAX_CHALLENGE_CHARS, PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
 from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, REGISTRY_MAX_BODY_BYTES, json_too_deep
 from bootstrap_server.registry import Registry, RegistryConflict, format_key
 from bootstrap_server.schema import RankInfo
@@ -219,7 +219,8 @@ def _require_secret(secret: str):  # type: ignore[no-untyped-def]
         if reason is None:
             challenge = request.headers.get(CHALLENGE_HEADER)
             # A node checks that this registry is its cluster's: every answer to it proves the secret.
-            proven = {PROOF_HEADER: proof(secret, challenge, "registry")} if challenge and len(challenge) <= 128 else {}
+            proven = ({PROOF_HEADER: proof(secret, challenge, "registry")}
+                      if challenge and len(challenge) <= MAX_CHALLENGE_CHARS else {})
             try:
                 response = await handler(request)
             except web.HTTPException as exc:  # aiohttp's own answers (unknown path, wrong method)

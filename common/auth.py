@@ -59,6 +59,7 @@ WWW_AUTHENTICATE = 'Bearer realm="pdcluster"'
 TOKEN_SCHEME = "PDC-HMAC"
 PROOF_HEADER = "X-PDC-Proof"
 CHALLENGE_HEADER = "X-PDC-Challenge"
+MAX_CHALLENGE_CHARS = 128  # a longer one is not answered (ours are 32 hex characters)
 # How far a token's timestamp may be from the receiver's clock, either way. Wide enough for the
 # clock skew between pods and a request queued in a connection pool; every token seen inside it
 # is remembered, so a replay within the window is caught by its nonce instead.

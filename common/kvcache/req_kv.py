@@ -97,7 +97,6 @@ class KVMemory:
             if bad is not None:
                 # A cached page no longer holds what our forward wrote (a write through the data
                 # plane): never serve it. Its branch goes; the request recomputes from there.
-                assert self.digests is not None
                 self.digests.failures += 1
                 log.warning("prefix cache: page %d (position %d) changed after it was cached; dropping its "
                             "branch and recomputing", match.pages[bad], bad * self.page_size)

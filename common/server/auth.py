@@ -24,11 +24,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from common.auth import PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
+from common.auth import MAX_CHALLENGE_CHARS, PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
 from common.server.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})
-_MAX_CHALLENGE_CHARS = 128
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -93,7 +92,7 @@ class RequireClusterSecret:
     def _with_proof(self, scope: Scope, send: Send) -> Send:
         """``send`` that adds the proof for ``?challenge=`` to the response's headers."""
         values = parse_qs((scope.get("query_string") or b"").decode("latin-1")).get("challenge")
-        if not values or len(values[0]) > _MAX_CHALLENGE_CHARS:
+        if not values or len(values[0]) > MAX_CHALLENGE_CHARS:
             return send
         answer = proof(self._secret, values[0]).encode()
 
