@@ -160,6 +160,15 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1  # scheduler ranks per node, each holding 1/tp of the model (common/parallel.py)
+
+    def validate(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size {self.tp_size}: must be >= 1")
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     role: Literal["prefill", "decode"]
     model: ModelConfig
@@ -169,9 +178,10 @@ class NodeConfig:
     transfer: TransferConfig = TransferConfig()
     server: ServerConfig = ServerConfig()
     cpu: CpuConfig = CpuConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def validate(self) -> None:
-        for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server):
+        for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server, self.parallel):
             part.validate()
         try:
             self.cpu.validate()

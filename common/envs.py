@@ -52,6 +52,7 @@ FAULT_STOP_BEFORE_WRITE_ROOM = EnvVar(
     "FAULT INJECTION, tests only (-1: off): a prefill transfer worker SIGSTOPs its own process right before its first engine write for this room")
 ACCEPT_BEARER_SECRET = EnvVar("PDC_ACCEPT_BEARER_SECRET", False, "nodes also accept the cluster secret as a bearer token (for sglang-router); --accept-bearer-secret wins")
 INSECURE = EnvVar("PDC_INSECURE", False, "let a node or registry listen on a non-loopback address without a cluster secret; --insecure wins")
+TP_TIMEOUT_S = EnvVar("PDC_TP_TIMEOUT_S", 300.0, "longest a TP rank waits for the node's other ranks in one collective before it fails")
 KV_INTEGRITY = EnvVar("PDC_KV_INTEGRITY", True, "digest KV pages (prefill) and check what arrives (decode); both roles must agree")
 OPERATOR_KEY = EnvVar("PDC_OPERATOR_KEY", "", "the router's operator key, for adding/draining workers, /flush_cache, /abort_request; --operator-key[-file] wins")
 API_KEY = EnvVar("PDC_API_KEY", "", "the router's client API key (empty: off); --api-key[-file] wins")

@@ -23,6 +23,7 @@ from common.node.launch import (
     cpu_slice,
     model_config,
     node_config,
+    parallel_config,
     run_node,
     server_config,
     transfer_config,
@@ -63,6 +64,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         transfer=transfer_config(a),
         server=server_config(a),
         cpu=cpu_slice(a),
+        parallel=parallel_config(a),
     )
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from common.engine.model_runner import DecodeItem
 from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
@@ -52,8 +52,12 @@ log = logging.getLogger(__name__)
 
 class DecodeScheduler:
     def __init__(self, engine: Engine, memory: KVMemory, receivers: ReceiverFactory, aux: AuxSlots,
-                 stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig) -> None:
+                 stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig,
+                 agree_all: Callable[[bool], bool] = bool) -> None:
+        """``agree_all``: on a TP node, whether every rank's check of its own share of an arrived
+        room passed (each rank holds other KV heads); the identity on one rank."""
         self.engine, self.memory, self.receivers, self.aux = engine, memory, receivers, aux
+        self.agree_all = agree_all
         self.stop, self.budget, self.ratio, self.cfg = stop, budget, ratio, cfg
         self.queues = DecodeQueues()
         self.counters = DecodeCounters()
@@ -171,14 +175,17 @@ class DecodeScheduler:
                 self._fail(r, 503, f"{r.label()}: KV transfer failed: {r.receiver.failure_reason}")
             elif status is KVPoll.Success:
                 rec = self.aux.read(r.aux_slot)
-                if self.cfg.check_aux_room and rec.room != r.room:
-                    self._fail(r, 500, f"{r.label()}: the aux row holds room {rec.room}, not ours")
-                    continue
-                if not self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest):
+                room_ok = not self.cfg.check_aux_room or rec.room == r.room
+                intact = room_ok and self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest)
+                if not self.agree_all(intact):  # every TP rank checks its own heads: one bad share fails all
+                    if not room_ok:
+                        self._fail(r, 500, f"{r.label()}: the aux row holds room {rec.room}, not ours")
+                        continue
                     # Not the KV the prefill computed (a write through the data plane, or a
                     # corrupted transfer): never decode from it. 502: the router may retry.
                     why = ("the prefill sent no KV digest (run both roles with the same PDC_KV_INTEGRITY)"
-                           if not rec.kv_digest else "the pages that arrived differ from what the prefill computed")
+                           if not rec.kv_digest else "the pages that arrived differ from what the prefill computed"
+                           if not intact else "another TP rank of this node found its share changed")
                     self._fail(r, 502, f"{r.label()}: KV integrity check failed: {why} (see /metrics "
                                        "pdc_scheduler_kv_integrity_failures_total)")
                     continue

@@ -34,6 +34,7 @@ from common.node.launch import (
     cpu_slice,
     model_config,
     node_config,
+    parallel_config,
     run_node,
     server_config,
     transfer_config,
@@ -67,6 +68,7 @@ def config_from_args(ns: argparse.Namespace) -> NodeConfig:
         transfer=transfer_config(ns),
         server=server_config(ns),
         cpu=cpu_slice(ns),
+        parallel=parallel_config(ns),
     )
 
 

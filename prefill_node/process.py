@@ -18,6 +18,7 @@ from prefill_node.stats import PrefillStats
 
 if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
+    from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
@@ -40,12 +41,12 @@ class PrefillPart:
 
         # Registered memory: kept alive as long as the manager. One row: only its layout matters.
         self._aux: AuxPool = AuxPool(1, top_k=self.transfer.aux_top_k)
-        self._manager = build_prefill_manager(self.transfer, node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host),
-                                              self.bootstrap_url)
+        args = node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host, runner.tp.rank, runner.tp.size)
+        self._manager = build_prefill_manager(self.transfer, args, self.bootstrap_url)
         return self._manager
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: PrefillKVManager) -> tuple[PrefillScheduler, PrefillStats]:
+                        manager: PrefillKVManager, agreement: RankAgreement) -> tuple[PrefillScheduler, PrefillStats]:
         cfg = PrefillSchedConfig(
             budget=PrefillBudget.from_flags(self.sched.max_prefill_tokens, self.sched.chunked_prefill_size),
             policy=self.sched.schedule_policy,
@@ -57,7 +58,8 @@ class PrefillPart:
 
         if envs.KV_INTEGRITY.get():  # checked before cache reuse, sent for the decode's check
             runner.memory.digests = page_digests(runner, self.transfer.cluster_secret)
-        scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg)
+            runner.memory.digests.agree_min = agreement.agree_min_int  # a page changed on any rank is changed
+        scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg, clock=agreement.clock)
         return scheduler, PrefillStats(scheduler, manager.num_rooms)
 
     def ready_info(self) -> dict:

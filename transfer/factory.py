@@ -25,13 +25,15 @@ from transfer.prefill import PrefillKVManager
 from transfer.registry import create_data_plane
 
 
-def node_kv_args(kv_pool: KVPool, state_pool: StatePool | None, aux: AuxPool, host: str) -> KVArgs:
-    """What a node rank registers and tells its peers: its KV pool, its recurrent-state pool
-    (hybrid models; ``None`` otherwise) and its aux rows, reachable at ``host``."""
+def node_kv_args(kv_pool: KVPool, state_pool: StatePool | None, aux: AuxPool, host: str,
+                 tp_rank: int = 0, tp_size: int = 1) -> KVArgs:
+    """What a node rank registers and tells its peers: its KV pool (its own KV heads), its
+    recurrent-state pool (hybrid models; ``None`` otherwise) and its aux rows, reachable at
+    ``host``, as TP rank ``tp_rank`` of ``tp_size``."""
     return KVArgs(layout=kv_pool.layout, kv=KVArgs.kv_from_pool(kv_pool),
                   state=KVArgs.state_from_pool(state_pool),
                   state_layout=None if state_pool is None else state_pool.layout,
-                  aux=aux.buffers(), aux_top_k=aux.top_k, host=host)
+                  aux=aux.buffers(), aux_top_k=aux.top_k, host=host, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def _data_plane(tc: TransferConfig, host: str, **options: object) -> DataPlane:

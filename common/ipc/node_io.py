@@ -70,8 +70,14 @@ class NodeStats(Protocol):
 
 
 class NodeIO:
-    def __init__(self, endpoints: IpcEndpoints, stats: NodeStats, max_batch: int = 4096) -> None:
+    def __init__(self, endpoints: IpcEndpoints, stats: NodeStats, max_batch: int = 4096, *,
+                 defer_flush: bool = False) -> None:
+        """``defer_flush`` (TP nodes): a /flush_cache request is not answered inside ``recv`` but
+        queued in ``flushes`` for the loop, which flushes every rank at the same step and answers
+        with ``reply_flush``; flushing rank 0 alone would leave the ranks' caches different."""
         self._stats = stats
+        self._defer_flush = defer_flush
+        self.flushes: list[FlushCacheReq] = []
         self._max_batch = max_batch
         self._ctx = zmq.Context()
         try:
@@ -131,7 +137,10 @@ class NodeIO:
             elif isinstance(msg, QueryReq):
                 self._reply(msg.query_id, self._answer(msg.what))
             elif isinstance(msg, FlushCacheReq):
-                self._reply(msg.query_id, self._flush())
+                if self._defer_flush:
+                    self.flushes.append(msg)
+                else:
+                    self._reply(msg.query_id, self._flush())
         return items
 
     def _drain_wakes(self) -> None:
@@ -155,12 +164,11 @@ class NodeIO:
             return {"error": f"{what} query failed: {type(exc).__name__}: {exc}"}
 
     def _flush(self) -> dict:
-        try:
-            ok, message = self._stats.flush_cache()
-        except Exception as exc:
-            log.exception("flush_cache failed")
-            ok, message = False, f"flush_cache failed: {type(exc).__name__}: {exc}"
-        return {"success": ok, "message": message}
+        return flush_cache(self._stats)
+
+    def reply_flush(self, query_id: str, result: dict) -> None:
+        """Answer a deferred /flush_cache with ``flush_cache``'s result."""
+        self._reply(query_id, result)
 
     # -- send ---------------------------------------------------------------------------------
 
@@ -190,6 +198,16 @@ class NodeIO:
         self._ctx.term()
         os.close(self._wake_w)  # a late wake() from a transfer thread then gets OSError, ignored
         os.close(self._wake_r)
+
+
+def flush_cache(stats: NodeStats) -> dict:
+    """``stats.flush_cache()`` as the /flush_cache answer; a failure is an answer, not an exception."""
+    try:
+        ok, message = stats.flush_cache()
+    except Exception as exc:
+        log.exception("flush_cache failed")
+        ok, message = False, f"flush_cache failed: {type(exc).__name__}: {exc}"
+    return {"success": ok, "message": message}
 
 
 class RateMeter:

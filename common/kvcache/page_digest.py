@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,10 @@ _OPEN_KEY = b"pdcluster/kv-digest/open-v1"
 def digest_key(secret: str | None) -> bytes:
     """The key both roles of one cluster use (their shared secret's, else a public constant)."""
     return hmac.new(secret.encode(), _KEY_CONTEXT, hashlib.sha256).digest() if secret else _OPEN_KEY
+
+
+def _same(value: int) -> int:
+    return value
 
 
 class PageDigests:
@@ -59,6 +63,9 @@ class PageDigests:
         self._table = np.zeros((num_pages, DIGEST_BYTES), dtype=np.uint8)
         self._known = np.zeros(num_pages, dtype=bool)
         self.failures = 0  # mismatches found, for /metrics
+        # TP nodes: the MIN over the ranks (each digests its own heads), so every rank drops the
+        # same cached branch; one rank alone keeps its own answer.
+        self.agree_min: Callable[[int], int] = _same
 
     def compute(self, page: int, valid: int | None = None) -> bytes:
         """The digest of the first ``valid`` (default: all) token slots of ``page`` as they are now."""
@@ -83,11 +90,14 @@ class PageDigests:
 
     def first_mismatch(self, pages: Sequence[int]) -> int | None:
         """Index in ``pages`` of the first full page whose bytes are not what was recorded (or that
-        has no record), None when all match."""
+        has no record) on any TP rank, None when all match."""
+        first = len(pages)
         for i, page in enumerate(pages):
             if not self._known[page] or self.compute(page) != self._table[page].tobytes():
-                return i
-        return None
+                first = i
+                break
+        first = self.agree_min(first)
+        return None if first == len(pages) else first
 
     def room_digest(self, pages: Sequence[int], num_tokens: int) -> bytes:
         """The digest of a prompt's KV (``num_tokens`` tokens on ``pages``, in order) from the

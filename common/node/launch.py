@@ -24,8 +24,10 @@ import argparse
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,6 +44,7 @@ from common.config import (
     ConfigError,
     ModelConfig,
     NodeConfig,
+    ParallelConfig,
     ServerConfig,
     TransferConfig,
     resolve,
@@ -96,6 +99,10 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
                    help=f"GPU memory fraction for the KV pool {d}")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: from free memory / CPU default)")
     p.add_argument("--max-running-requests", type=int, default=CacheConfig.max_running_requests, help=d)
+    p.add_argument("--tp-size", type=int, default=ParallelConfig.tp_size,
+                   help=f"tensor-parallel ranks: one scheduler process per rank, each holding 1/N of the "
+                        f"weights and its own KV heads, each with 1/N of --cpu-threads (CPU: gloo; CUDA: one GPU "
+                        f"per rank, NCCL) {d}")
     p.add_argument("--cpu-threads", type=int, help="torch threads of the scheduler process (default: PDC_CPU_THREADS, "
                    "else the cores it may use; pdcluster up divides the cores among its nodes)")
     p.add_argument("--cpu-bind", help="pin the scheduler process to these cores, e.g. 0-3,8 (default: PDC_CPU_BIND; none)")
@@ -141,6 +148,10 @@ def attention_config(ns: argparse.Namespace) -> AttentionConfig:
     return AttentionConfig(backend=ns.attention_backend, torch_decode_mirror_mib=ns.torch_decode_mirror_mib)
 
 
+def parallel_config(ns: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(tp_size=ns.tp_size)
+
+
 def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
     """The scheduler's CPU budget from --cpu-threads / --cpu-bind (or their env vars), resolved."""
     try:
@@ -153,54 +164,93 @@ def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
 
 
 class SchedulerChild:
-    """The spawned scheduler process: start, wait for its start-up report, stop, clean up."""
+    """The spawned scheduler: one process per TP rank (one at tp = 1). Start them, wait for every
+    rank's start-up report, stop them, clean up. ``proc`` is rank 0's process."""
 
-    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], name: str, endpoints: IpcEndpoints) -> None:
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], name: str, endpoints: IpcEndpoints,
+                 tp_size: int = 1) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA, ZMQ or Mooncake state
-        self._recv, send = ctx.Pipe(duplex=False)
-        self._send: Connection | None = send
+        # The ranks meet at rank 0's rendezvous port (torch.distributed); unused at tp = 1.
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if tp_size > 1 else ""
         self.endpoints = endpoints
-        self.proc = ctx.Process(target=target, args=(*args, send), name=name)
+        self._recvs: list[Connection] = []
+        self._sends: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        for rank in range(tp_size):
+            recv, send = ctx.Pipe(duplex=False)
+            self._recvs.append(recv)
+            self._sends.append(send)
+            self.procs.append(ctx.Process(target=target, args=(*args, rank, init_method, send),
+                                          name=name if tp_size == 1 else f"{name}-tp{rank}"))
+
+    @property
+    def proc(self) -> mp.process.BaseProcess:
+        return self.procs[0]
 
     def start(self) -> None:
-        self.proc.start()
-        assert self._send is not None
-        self._send.close()  # the child holds the only writer: EOF on our end means it died
-        self._send = None
+        for proc in self.procs:
+            proc.start()
+        for send in self._sends:
+            send.close()  # each child holds the only writer of its pipe: EOF on our end means it died
+        self._sends = []
 
     def alive(self) -> bool:
         # is_alive() reaps a dead child; a pid probe (os.kill(pid, 0)) would see a zombie as alive.
-        return self.proc.pid is not None and self.proc.is_alive()
+        return all(p.pid is not None and p.is_alive() for p in self.procs)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> dict:
-        """The scheduler's ("ready", info) payload; StartupError naming why it failed or timed out."""
+        """Rank 0's ("ready", info) payload, with every rank's pid under ``rank_pids``, once all
+        ranks reported; StartupError naming why one failed or timed out."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._recv.poll(0.2):
-                try:
-                    kind, payload = self._recv.recv()
-                except EOFError as exc:
-                    raise StartupError(f"the scheduler process exited during start-up (status {self.proc.exitcode})") from exc
-                if kind == "ready":
-                    return payload
-                raise StartupError(f"the scheduler failed to start: {payload}")
-            if not self.proc.is_alive():
-                raise StartupError(f"the scheduler process exited during start-up (status {self.proc.exitcode})")
-        raise StartupError(f"the scheduler did not become ready within {timeout_s:g} s")
+        infos: dict[int, dict] = {}
+        while len(infos) < len(self.procs):
+            if time.monotonic() > deadline:
+                raise StartupError(f"the scheduler did not become ready within {timeout_s:g} s")
+            for rank, (recv, proc) in enumerate(zip(self._recvs, self.procs)):
+                if rank in infos:
+                    continue
+                who = "the scheduler" if len(self.procs) == 1 else f"scheduler rank {rank}"
+                if recv.poll(0.2 / len(self.procs)):
+                    try:
+                        kind, payload = recv.recv()
+                    except EOFError as exc:
+                        raise StartupError(f"{who} exited during start-up (status {proc.exitcode})") from exc
+                    if kind != "ready":
+                        raise StartupError(f"{who} failed to start: {payload}")
+                    infos[rank] = payload
+                elif not proc.is_alive():
+                    raise StartupError(f"{who} process exited during start-up (status {proc.exitcode})")
+        return {**infos[0], "rank_pids": [infos[r]["pid"] for r in range(len(self.procs))]}
+
+    def wait_any_exit(self) -> None:
+        """Block until any rank's process has exited."""
+        mp.connection.wait([p.sentinel for p in self.procs])
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after a grace period; unlink the ipc socket files. Idempotent."""
-        if self.proc.pid is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(STOP_GRACE_S)
-            if self.proc.is_alive():
-                log.warning("scheduler %d ignored SIGTERM for %g s; killing it", self.proc.pid, STOP_GRACE_S)
-                self.proc.kill()
-                self.proc.join(5.0)
-        self._recv.close()
+        """SIGTERM rank 0 (it tells the other ranks to stop), then the others; SIGKILL whoever
+        is left after a grace period; unlink the ipc socket files. Idempotent."""
+        started = [p for p in self.procs if p.pid is not None]
+        for proc in started:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in started:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("scheduler %d ignored SIGTERM for %g s; killing it", proc.pid, STOP_GRACE_S)
+                proc.kill()
+                proc.join(5.0)
+        for recv in self._recvs:
+            recv.close()
         for path in self.endpoints.socket_files():
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # -- the launcher's life -------------------------------------------------------------------------
@@ -243,7 +293,8 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
 
     role = part.role
     endpoints = IpcEndpoints.fresh()
-    child = SchedulerChild(run_scheduler, (part, cfg, endpoints), f"pdc-{role}-scheduler", endpoints)
+    child = SchedulerChild(run_scheduler, (part, cfg, endpoints), f"pdc-{role}-scheduler", endpoints,
+                           cfg.parallel.tp_size)
     side = sidecar(child) if sidecar is not None else None
     stopping, died = threading.Event(), threading.Event()
     # Until uvicorn installs its own handlers, SIGTERM must still run the cleanup below.
@@ -253,13 +304,15 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
             side.start()
         child.start()
         info = child.wait_ready()
-        log.info("%s scheduler %d ready (CPU %s); serving HTTP on %s:%d", role, info["pid"], info["cpu"],
-                 cfg.server.host, cfg.server.port)
+        log.info("%s scheduler %s ready (CPU %s); serving HTTP on %s:%d", role,
+                 ", ".join(map(str, info["rank_pids"])), info["cpu"], cfg.server.host, cfg.server.port)
         if exit_with_scheduler:
             threading.Thread(target=_watch_scheduler, args=(child, stopping, died, role), daemon=True).start()
         api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
                                                       "max_total_tokens": info["max_total_tokens"],
-                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"]})
+                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"],
+                                                      "tp_size": cfg.parallel.tp_size,
+                                                      "scheduler_rank_pids": info["rank_pids"]})
         run_api_server(api_cfg, endpoints, scheduler_alive=child.alive)
     except StartupError as exc:
         log.error("%s", exc)
@@ -280,8 +333,9 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def _watch_scheduler(child: SchedulerChild, stopping: threading.Event, died: threading.Event, role: str) -> None:
-    child.proc.join()
+    child.wait_any_exit()  # any rank: a TP node without one of its ranks cannot serve
     if not stopping.is_set():
         died.set()
-        log.error("the %s scheduler process exited (status %s); shutting the node down", role, child.proc.exitcode)
+        log.error("a %s scheduler process exited (status %s); shutting the node down", role,
+                  [p.exitcode for p in child.procs])
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's handler: graceful shutdown of the API

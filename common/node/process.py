@@ -32,12 +32,16 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from common import envs
 from common.config import CacheConfig, NodeConfig
 from common.cpu_budget import apply_scheduler_budget
-from common.ipc.node_io import NodeIO
-from common.ipc.protocol import IpcEndpoints, ReqOutput, WorkItem
+from common.ipc.node_io import NodeIO, flush_cache
+from common.ipc.protocol import AbortReq, FlushCacheReq, GenerateReq, IpcEndpoints, ReqOutput, WorkItem
 from common.node.contract import NodeScheduler, StepStats
+from common.node.tp_step import ONE_RANK, AgreedManager, AgreedRooms, RankAgreement, StepClock, StepSync
+from common.parallel import SINGLE_RANK, TPGroup, init_tp_group, rank_cpu_config
 
 if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
@@ -58,6 +62,8 @@ class TransferManager(Protocol):
 
     def set_state_listener(self, listener: Callable[[], None]) -> None: ...
 
+    def num_rooms(self) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -76,7 +82,10 @@ class RolePart(Protocol):
         ...
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: TransferManager) -> tuple[NodeScheduler, StepStats]: ...
+                        manager: TransferManager, agreement: RankAgreement) -> tuple[NodeScheduler, StepStats]:
+        """``agreement``: the clock the scheduler must read and how it agrees local verdicts
+        with the node's other TP ranks (``ONE_RANK`` at tp = 1)."""
+        ...
 
     def ready_info(self) -> dict:
         """What the role adds to the "ready" report (after ``build_scheduler``)."""
@@ -84,26 +93,41 @@ class RolePart(Protocol):
 
 
 class NodeProcess:
-    """Everything the scheduler process owns; ``close`` releases it (transfer threads, engine, sockets)."""
+    """Everything one scheduler rank owns; ``close`` releases it (transfer threads, engine,
+    sockets, its place in the TP group).
 
-    def __init__(self, cfg: NodeConfig, part: RolePart, endpoints: IpcEndpoints) -> None:
+    With tp > 1 every rank builds the same: the model's shard, a KV pool of its own heads, its
+    own KV manager (registered as its TP rank); only rank 0 is linked to the API (``io``), the
+    others learn each step's input from it (``serve_ranks``). The scheduler's room handles,
+    clock and local verdicts go through the step agreement (``common.node.tp_step``)."""
+
+    def __init__(self, cfg: NodeConfig, part: RolePart, endpoints: IpcEndpoints, rank: int = 0,
+                 group: TPGroup = SINGLE_RANK) -> None:
         from common.engine.driver import EngineDriver
         from common.engine.model_runner import ModelRunner
         from common.engine.sampler import Sampler
         from common.sched.stop import StopChecker
         from common.tokenizer import Tokenizer
 
-        self.role = part.role
-        self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), cfg.attention)
+        self.role, self.group = part.role, group
+        self.sync = StepSync(group)
+        self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), cfg.attention, tp=group)
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
+        self.io: NodeIO | None = None
         try:
             sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids)  # masks ends before min_new_tokens
+            if group.size == 1:
+                sched_manager, agreement, self.rooms = self.manager, ONE_RANK, None
+            else:
+                self.rooms, self.clock = AgreedRooms(self.sync, self.manager.num_rooms), StepClock()
+                sched_manager, agreement = AgreedManager(self.manager, self.rooms), RankAgreement.of(self.sync, self.clock)
             self.scheduler, self.stats = part.build_scheduler(
                 self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
-                self.manager)
-            self.io = NodeIO(endpoints, self.stats)
-            self.manager.set_state_listener(self.io.wake)
+                sched_manager, agreement)
+            if group.is_first:
+                self.io = NodeIO(endpoints, self.stats, defer_flush=group.size > 1)
+                self.manager.set_state_listener(self.io.wake)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
             raise
@@ -114,14 +138,21 @@ class NodeProcess:
                  ", ".join(f"{k} {v}" for k, v in self._ready.items()))
 
     def serve(self, stop: threading.Event) -> None:
-        serve(self.scheduler, self.io, self.stats, stop, self.role)
+        if self.group.size == 1:
+            assert self.io is not None
+            serve(self.scheduler, self.io, self.stats, stop, self.role)
+        else:
+            assert self.rooms is not None
+            serve_ranks(self, stop)
 
     def ready_info(self) -> dict:
         return dict(self._ready)
 
     def close(self) -> None:
         self.manager.close()
-        self.io.close()
+        if self.io is not None:
+            self.io.close()
+        self.group.close()
 
 
 class LoopIO(Protocol):
@@ -158,6 +189,66 @@ def serve(sched: NodeScheduler, io: LoopIO, stats: StepStats, stop: threading.Ev
                 return
 
 
+class _StepInput(msgspec.Struct, array_like=True):
+    """What rank 0 broadcasts each step: stop the loop, flush the caches, the API's messages."""
+
+    stop: bool
+    flushes: list[FlushCacheReq]
+    items: list[GenerateReq | AbortReq]
+
+
+_step_encoder = msgspec.msgpack.Encoder()
+_step_decoder = msgspec.msgpack.Decoder(_StepInput)
+
+
+def serve_ranks(node: NodeProcess, stop: threading.Event) -> None:
+    """The loop of a TP node's ranks (tp > 1): ``serve``'s, with the step agreement in front.
+
+    Rank 0 reads the API link and decides when the loop ends (SIGTERM, its parent gone); it
+    broadcasts each step's input and clock, then every rank agrees its rooms' states and runs
+    the same step; only rank 0 sends the outputs. A rank whose step raises leaves the loop (the
+    exception ends the process): the other ranks' next collective fails as its connections
+    close, so the whole node goes down and its supervisor sees it, instead of ranks that
+    disagree on what happened. Other ranks ignore their own SIGTERM: they end when rank 0 says
+    so, or when rank 0 is gone (a failed collective)."""
+    sched, io, sync, stats = node.scheduler, node.io, node.sync, node.stats
+    assert node.rooms is not None
+    first = node.group.is_first
+    parent = os.getppid()
+    next_check = time.monotonic() + PARENT_CHECK_S
+    while True:
+        t0 = time.perf_counter()
+        encoded = clock = None
+        if first:
+            assert io is not None
+            runnable = sched.runnable()
+            items = io.recv(0.0 if runnable else IDLE_WAIT_S if sched.idle() else BUSY_WAIT_S)
+            if not runnable:
+                t0 = time.perf_counter()
+            if time.monotonic() > next_check:
+                next_check = time.monotonic() + PARENT_CHECK_S
+                if os.getppid() != parent:
+                    log.error("the %s node's API process is gone; the scheduler ranks exit", node.role)
+                    stop.set()
+            flushes, io.flushes = io.flushes, []
+            encoded = _step_encoder.encode(_StepInput(stop.is_set(), flushes, list(items)))
+            clock = time.monotonic()
+        step = sync.inputs(encoded, clock)
+        msg = _step_decoder.decode(step.encoded)
+        if msg.stop:
+            return
+        node.clock.now = step.clock
+        node.rooms.refresh()
+        for flush in msg.flushes:  # every rank flushes at the same step; rank 0 answers
+            result = flush_cache(stats)
+            if io is not None:
+                io.reply_flush(flush.query_id, result)
+        outputs = sched.step(msg.items)
+        if io is not None:
+            io.send(outputs)
+        stats.observe_step(time.perf_counter() - t0)
+
+
 def advertise_host(host: str) -> str:
     """The address peers should use to reach us: ``host`` unless it is a wildcard."""
     if host not in ("", "0.0.0.0", "::"):
@@ -170,29 +261,37 @@ def advertise_host(host: str) -> str:
             return "127.0.0.1"
 
 
-def run_scheduler(part: RolePart, cfg: NodeConfig, endpoints: IpcEndpoints, ready: Connection | None = None) -> None:
-    """Entry point of the scheduler process (a ``multiprocessing`` spawn target).
+def run_scheduler(part: RolePart, cfg: NodeConfig, endpoints: IpcEndpoints, rank: int = 0, init_method: str = "",
+                  ready: Connection | None = None) -> None:
+    """Entry point of scheduler rank ``rank`` (a ``multiprocessing`` spawn target); with
+    tp > 1 the ranks meet at ``init_method`` (rank 0 listens there).
 
     Sends ``("ready", info)`` on ``ready`` once the model is loaded and the transfer manager is up
     (a prefill rank registered with its bootstrap server), or ``("error", message)`` if start-up
     failed, so the launcher fails fast.
     """
-    tag = f"{part.role}-sched"
+    tp = cfg.parallel.tp_size
+    tag = f"{part.role}-sched" + (f"-tp{rank}" if tp > 1 else "")
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format=f"%(asctime)s %(levelname)s {tag} %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cpu = rank_cpu_config(cfg.cpu, rank, tp)
+    group: TPGroup = SINGLE_RANK
     try:
-        apply_scheduler_budget(cfg.cpu)  # before the model loads: torch's pools are sized once
-        proc = NodeProcess(cfg, part, endpoints)
+        apply_scheduler_budget(cpu)  # before the model loads: torch's pools are sized once
+        if tp > 1:
+            group = init_tp_group(rank, tp, init_method, cfg.model.device, timeout_s=envs.TP_TIMEOUT_S.get())
+        proc = NodeProcess(cfg, part, endpoints, rank, group)
     except Exception as exc:
+        group.close()
         log.exception("%s failed to start", tag)
         if ready is not None:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
     try:
         if ready is not None:
-            ready.send(("ready", {"pid": os.getpid(), "cpu": cfg.cpu.as_dict(), **proc.ready_info()}))
+            ready.send(("ready", {"pid": os.getpid(), "cpu": cpu.as_dict(), **proc.ready_info()}))
             ready.close()
         proc.serve(stop)
     finally:
