@@ -65,6 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--router-args", default="", help="extra router flags, one shell-quoted string")
     t.add_argument("--num-prefill", type=int, default=1, help="--launch: prefill nodes")
     t.add_argument("--num-decode", type=int, default=1, help="--launch: decode nodes")
+    t.add_argument("--prefill-tp", type=int, default=1, help="--launch: tensor-parallel ranks per prefill node")
+    t.add_argument("--decode-tp", type=int, default=1, help="--launch: tensor-parallel ranks per decode node")
     t.add_argument("--endpoint", default="generate", choices=ENDPOINTS,
                    help="what each request calls: native /generate, or OpenAI /v1/completions with token-id prompts")
     t.add_argument("--compare", choices=PEERS,

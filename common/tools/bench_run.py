@@ -256,8 +256,8 @@ def run_launched(a: argparse.Namespace, model: str) -> tuple[int, dict]:
     try:
         try:
             url = cluster.start(model, backend=a.transfer_backend, page_size=a.page_size, num_prefill=a.num_prefill,
-                                num_decode=a.num_decode, prefill_args=shlex.split(a.prefill_args),
-                                decode_args=shlex.split(a.decode_args), router=a.router,
+                                num_decode=a.num_decode, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
+                                prefill_args=shlex.split(a.prefill_args), decode_args=shlex.split(a.decode_args), router=a.router,
                                 router_args=shlex.split(a.router_args), startup_timeout_s=a.startup_timeout)
         except (RuntimeError, TimeoutError, OSError) as exc:
             print(f"pdcluster bench: the cluster did not start: {exc}\n{cluster.log_tails()}", file=sys.stderr)

@@ -113,7 +113,7 @@ class LocalCluster:
 
     def start(self, model_path: str, *, backend: str = "mooncake", page_size: int = 16, num_prefill: int = 1,
               num_decode: int = 1, prefill_args: list[str] = (), decode_args: list[str] = (),  # type: ignore[assignment]
-              router: str = "ours", router_args: list[str] = (), router_port: int | None = None,  # type: ignore[assignment]
+              prefill_tp: int = 1, decode_tp: int = 1, router: str = "ours", router_args: list[str] = (), router_port: int | None = None,  # type: ignore[assignment]
               router_host: str = "127.0.0.1", startup_timeout_s: float = 180.0) -> str | None:
         """Start the nodes, then the router; return the router's URL (None with ``router="none"``)
         once it sees every node healthy. Raises RuntimeError/TimeoutError on a failed start."""
@@ -121,26 +121,32 @@ class LocalCluster:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
+        if prefill_tp < 1 or decode_tp < 1:
+            raise ValueError("TP sizes must be >= 1")
         if router == "sglang" and self.api_key and self.cluster_secret and self.api_key != self.cluster_secret:
             raise ValueError("sglang-router sends its one --api-key to the workers too: with a cluster secret, "
                              "the API key must be the same or unset")
         self._router_kind = router
         common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
                   "--disaggregation-transfer-backend", backend]
-        # The nodes share this host's cores: each scheduler gets its share of torch threads, unless
-        # the caller chose (a flag, or PDC_CPU_THREADS in the environment).
+        # The nodes share this host's cores: each scheduler rank gets its share of torch threads
+        # (a node divides its --cpu-threads among its TP ranks), unless the caller chose (a flag,
+        # or PDC_CPU_THREADS in the environment).
+        prefill_own, decode_own = ["--tp-size", str(prefill_tp)], ["--tp-size", str(decode_tp)]
         if not any(a.startswith("--cpu-threads") for a in (*prefill_args, *decode_args)) \
                 and "PDC_CPU_THREADS" not in {**os.environ, **self.env}:
-            common += ["--cpu-threads", str(split_threads(num_prefill + num_decode))]
+            per_rank = split_threads(num_prefill * prefill_tp + num_decode * decode_tp)
+            prefill_own += ["--cpu-threads", str(per_rank * prefill_tp)]
+            decode_own += ["--cpu-threads", str(per_rank * decode_tp)]
         for i in range(num_prefill):
             port, bport = free_port(), free_port()
             self._start_node(NodeInfo(f"prefill{i}", "prefill", f"http://127.0.0.1:{port}", bport),
-                             [*common, "--port", str(port), "--disaggregation-bootstrap-port", str(bport),
+                             [*common, *prefill_own, "--port", str(port), "--disaggregation-bootstrap-port", str(bport),
                               *prefill_args])
         for i in range(num_decode):
             port = free_port()
             self._start_node(NodeInfo(f"decode{i}", "decode", f"http://127.0.0.1:{port}"),
-                             [*common, "--port", str(port), *decode_args])
+                             [*common, *decode_own, "--port", str(port), *decode_args])
         deadline = time.monotonic() + startup_timeout_s
         for node in self.nodes:
             self._wait(node.name, lambda n=node: _get_status(n.url + "/health")[0] == 200, deadline)

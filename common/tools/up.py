@@ -53,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000, help="the router's port")
     ap.add_argument("--num-prefill", type=int, default=1)
     ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks per prefill node (--tp-size)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode node (--tp-size)")
     ap.add_argument("--policy", default="least-loaded", help="router policy (see `pdcluster router --help`)")
     ap.add_argument("--router", default="ours", choices=ROUTERS,
                     help="the front door: ours, sglang (sglang-router from .venv-router, `make router-venv`), none")
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         router_args.append("--insecure")
     try:
         url = cluster.start(model, backend=args.transfer_backend, page_size=args.page_size,
-                            num_prefill=args.num_prefill, num_decode=args.num_decode, router=args.router,
+                            num_prefill=args.num_prefill, num_decode=args.num_decode,
+                            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, router=args.router,
                             router_args=router_args, router_port=args.port, router_host=args.host,
                             startup_timeout_s=args.startup_timeout)
         for n in cluster.nodes:

@@ -1,0 +1,139 @@
+"""Tensor-parallel nodes (``--tp-size 2``) behind our router: real Mooncake over TCP, a tiny qwen3
+with 8 query / 4 KV heads, two scheduler ranks per node agreeing on every step over gloo.
+
+    test_tp2_to_tp2_*          20 prompts through the router (half streamed): equal HF greedy;
+                               each node reports two ranks; every node idle at the end, rooms of
+                               every rank included
+    test_flush_cache_*         /flush_cache reaches every rank at the same step: a repeated prompt
+                               hits the cache, is recomputed after the flush, and still equals HF
+    test_decode_rank_killed_*  SIGKILL of decode rank 1: the whole decode node (API and rank 0) is
+                               gone within seconds; no rank process outlives it
+
+The tests run in file order on one cluster; the kill test comes last.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from common.tokenizer import Tokenizer
+from common.tools.local_cluster import LocalCluster
+from tests.e2e.cluster import check_greedy, wait_idle
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+NODE_ENV = {"PDC_HEARTBEAT_INTERVAL_S": "0.5", "PDC_HEARTBEAT_MAX_FAILURES": "2", "PDC_BOOTSTRAP_TIMEOUT_S": "10",
+            "PDC_WAITING_TIMEOUT_S": "15"}
+ROUTER_ARGS = ["--health-check-interval-s", "0.5", "--health-failure-threshold", "2", "--request-timeout-s", "45"]
+GEN = {"temperature": 0, "ignore_eos": True}
+N_NEW = 8
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is gone too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+class TPCluster:
+    def __init__(self, cluster: LocalCluster, url: str, model_dir: str) -> None:
+        self.cluster, self.url, self.model_dir = cluster, url, model_dir
+        self.tok = Tokenizer(model_dir)
+
+    def info(self, name: str) -> dict:
+        url = next(n.url for n in self.cluster.nodes if n.name == name)
+        return httpx.get(url + "/server_info", timeout=10).json()
+
+    def generate(self, prompt: list[int], stream: bool) -> list[int]:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}, "stream": stream}
+        if not stream:
+            r = httpx.post(self.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+        ids: list[int] = []
+        with httpx.stream("POST", self.url + "/generate", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            import json
+
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    ids = ev["output_ids"]  # cumulative, as SGLang streams /generate
+        return ids
+
+    def wait_idle(self) -> None:
+        for n in self.cluster.nodes:
+            if self.cluster.procs[n.name].poll() is None:
+                wait_idle(n.url)
+
+
+@pytest.fixture(scope="module")
+def tp(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
+    model_dir = tiny_model_factory("qwen3", num_attention_heads=8, num_key_value_heads=4)
+    cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-tp-e2e")), env=NODE_ENV)
+    try:
+        url = cluster.start(model_dir, backend="mooncake", prefill_tp=2, decode_tp=2, router="ours",
+                            router_args=ROUTER_ARGS, startup_timeout_s=180)
+        assert url is not None
+        yield TPCluster(cluster, url, model_dir)
+    except BaseException:
+        print(cluster.log_tails(60))
+        raise
+    finally:
+        cluster.stop()
+
+
+def test_tp2_to_tp2_through_the_router_equals_hf(tp: TPCluster) -> None:
+    for name in ("prefill0", "decode0"):
+        info = tp.info(name)
+        assert info["tp_size"] == 2 and len(set(info["scheduler_rank_pids"])) == 2, (name, info)
+    prompts = [tp.tok.encode(f"prompt {i}: " + "tensor parallel ranks agree on every step " * (1 + i % 4))
+               for i in range(20)]
+    with ThreadPoolExecutor(8) as ex:
+        outs = list(ex.map(lambda ip: tp.generate(ip[1], stream=ip[0] % 2 == 1), enumerate(prompts)))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        check_greedy(tp.model_dir, prompt, out, N_NEW, f"tp2->tp2 #{i} stream={i % 2 == 1}")
+    tp.wait_idle()
+
+
+def test_flush_cache_reaches_every_rank(tp: TPCluster) -> None:
+    prompt = tp.tok.encode("a prompt long enough to fill two pages of sixteen tokens, sent three times " * 2)
+    prefill = next(n.url for n in tp.cluster.nodes if n.name == "prefill0")
+
+    def cached() -> int:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
+        r = httpx.post(tp.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        check_greedy(tp.model_dir, prompt, r.json()["output_ids"], N_NEW, "flush")
+        return int(r.json()["meta_info"]["cached_tokens"])
+
+    cached()
+    assert cached() >= 16  # the second time the prefix comes from the cache, on both ranks
+    tp.wait_idle()
+    r = httpx.post(prefill + "/flush_cache", timeout=10)
+    assert r.status_code == 200, r.text
+    assert cached() == 0  # every rank dropped its cache at the same step: same pages, same answer
+    tp.wait_idle()
+
+
+def test_decode_rank_killed_takes_the_node_down(tp: TPCluster) -> None:
+    info = tp.info("decode0")
+    api_pid = tp.cluster.procs["decode0"].pid
+    rank0, rank1 = info["scheduler_rank_pids"]
+    os.kill(rank1, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while any(_pid_alive(p) for p in (api_pid, rank0)):
+        assert time.monotonic() < deadline, "the decode node outlived its killed rank by 20 s"
+        time.sleep(0.2)
+    # The prefill node is untouched and idle.
+    wait_idle(next(n.url for n in tp.cluster.nodes if n.name == "prefill0"))
