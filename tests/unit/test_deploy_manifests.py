@@ -97,6 +97,13 @@ def _pdcluster_argv(c: dict) -> list[str] | None:
     return None
 
 
+def _base_env() -> dict[str, str]:
+    """The literals of the base's ``pdcluster-env`` ConfigMap, which every node container reads."""
+    kust = _yaml().safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    [gen] = [g for g in kust["configMapGenerator"] if g["name"] == "pdcluster-env"]
+    return dict(lit.split("=", 1) for lit in gen["literals"])
+
+
 def _resolve(args: list[str], env: dict[str, str]) -> list[str]:
     """The kubelet's $(VAR) expansion: defined variables are replaced, others left as written."""
     return [ENV_REF.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
@@ -195,7 +202,8 @@ def test_every_pdcluster_container_in_every_file_has_valid_args(tmp_path: Path) 
                 assert argv and argv[0] in COMMANDS, f"{path}: {c.get('name')} runs unknown subcommand {argv[:1]}"
                 seen.add(argv[0])
                 if argv[0] in ("prefill", "decode"):
-                    _parse_node(argv[0], argv[1:])
+                    # Numbers from the base's pdcluster-env ConfigMap (envFrom), e.g. --tp-size.
+                    _parse_node(argv[0], _resolve(argv[1:], _base_env()))
                 elif argv[0] == "router":
                     _parse_our_router(argv[1:])
                 elif argv[0] == "make-tiny-model":
