@@ -81,7 +81,8 @@ class TransferWorker:
         self.thread = threading.Thread(target=self._run, name=f"pdc-transfer-worker-{index}", daemon=True)
         #: Descriptors this worker handed to the engine (observability and tests).
         self.descriptors_written = 0
-        self._stop_room = envs.FAULT_STOP_BEFORE_WRITE_ROOM.get()  # fault injection; -1: off
+        stop_rank = envs.FAULT_STOP_RANK.get()  # fault injection; -1: off
+        self._stop_room = envs.FAULT_STOP_BEFORE_WRITE_ROOM.get() if stop_rank in (-1, args.tp_rank) else -1
 
     def put(self, chunk: Chunk) -> None:
         self._queue.put(chunk)
