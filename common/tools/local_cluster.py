@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -45,6 +45,13 @@ ROUTERS = ("ours", "sglang", "none")
 # from there whatever the caller's working directory (the repo is not necessarily installed).
 CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SGLANG_ROUTER_PYTHON = os.path.join(CODE_ROOT, ".venv-router", "bin", "python")
+
+
+def _per_node(tp: int | Sequence[int], count: int, what: str) -> list[int]:
+    tps = [tp] * count if isinstance(tp, int) else list(tp)
+    if len(tps) != count or any(t < 1 for t in tps):
+        raise ValueError(f"{what}: one TP size >= 1 for each of the {count} nodes, got {tp!r}")
+    return tps
 
 
 def free_port() -> int:
@@ -113,16 +120,17 @@ class LocalCluster:
 
     def start(self, model_path: str, *, backend: str = "mooncake", page_size: int = 16, num_prefill: int = 1,
               num_decode: int = 1, prefill_args: list[str] = (), decode_args: list[str] = (),  # type: ignore[assignment]
-              prefill_tp: int = 1, decode_tp: int = 1, router: str = "ours", router_args: list[str] = (), router_port: int | None = None,  # type: ignore[assignment]
+              prefill_tp: int | Sequence[int] = 1, decode_tp: int | Sequence[int] = 1, router: str = "ours", router_args: list[str] = (), router_port: int | None = None,  # type: ignore[assignment]
               router_host: str = "127.0.0.1", startup_timeout_s: float = 180.0) -> str | None:
         """Start the nodes, then the router; return the router's URL (None with ``router="none"``)
-        once it sees every node healthy. Raises RuntimeError/TimeoutError on a failed start."""
+        once it sees every node healthy. Raises RuntimeError/TimeoutError on a failed start.
+        ``prefill_tp``/``decode_tp``: every node's ``--tp-size``, or one per node."""
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
-        if prefill_tp < 1 or decode_tp < 1:
-            raise ValueError("TP sizes must be >= 1")
+        prefill_tps = _per_node(prefill_tp, num_prefill, "prefill_tp")
+        decode_tps = _per_node(decode_tp, num_decode, "decode_tp")
         if router == "sglang" and self.api_key and self.cluster_secret and self.api_key != self.cluster_secret:
             raise ValueError("sglang-router sends its one --api-key to the workers too: with a cluster secret, "
                              "the API key must be the same or unset")
@@ -132,21 +140,23 @@ class LocalCluster:
         # The nodes share this host's cores: each scheduler rank gets its share of torch threads
         # (a node divides its --cpu-threads among its TP ranks), unless the caller chose (a flag,
         # or PDC_CPU_THREADS in the environment).
-        prefill_own, decode_own = ["--tp-size", str(prefill_tp)], ["--tp-size", str(decode_tp)]
+        per_rank = 0  # threads per rank; 0: the caller chose
         if not any(a.startswith("--cpu-threads") for a in (*prefill_args, *decode_args)) \
                 and "PDC_CPU_THREADS" not in {**os.environ, **self.env}:
-            per_rank = split_threads(num_prefill * prefill_tp + num_decode * decode_tp)
-            prefill_own += ["--cpu-threads", str(per_rank * prefill_tp)]
-            decode_own += ["--cpu-threads", str(per_rank * decode_tp)]
-        for i in range(num_prefill):
+            per_rank = split_threads(sum(prefill_tps) + sum(decode_tps))
+
+        def own(tp: int) -> list[str]:
+            return ["--tp-size", str(tp), *(["--cpu-threads", str(per_rank * tp)] if per_rank else [])]
+
+        for i, tp in enumerate(prefill_tps):
             port, bport = free_port(), free_port()
             self._start_node(NodeInfo(f"prefill{i}", "prefill", f"http://127.0.0.1:{port}", bport),
-                             [*common, *prefill_own, "--port", str(port), "--disaggregation-bootstrap-port", str(bport),
+                             [*common, *own(tp), "--port", str(port), "--disaggregation-bootstrap-port", str(bport),
                               *prefill_args])
-        for i in range(num_decode):
+        for i, tp in enumerate(decode_tps):
             port = free_port()
             self._start_node(NodeInfo(f"decode{i}", "decode", f"http://127.0.0.1:{port}"),
-                             [*common, *decode_own, "--port", str(port), *decode_args])
+                             [*common, *own(tp), "--port", str(port), *decode_args])
         deadline = time.monotonic() + startup_timeout_s
         for node in self.nodes:
             self._wait(node.name, lambda n=node: _get_status(n.url + "/health")[0] == 200, deadline)
@@ -170,13 +180,31 @@ class LocalCluster:
 
     # ---- start-up ------------------------------------------------------------------------------
 
-    def _router_argv(self, host: str, port: int) -> list[str]:
+    def _router_argv(self, host: str, port: int, nodes: Sequence[NodeInfo] | None = None) -> list[str]:
         argv = ["--host", host, "--port", str(port)]
-        for n in self.prefills:
-            argv += ["--prefill", n.url, str(n.bootstrap_port)]
-        for n in self.decodes:
-            argv += ["--decode", n.url]
+        nodes = self.nodes if nodes is None else nodes
+        for n in nodes:
+            argv += ["--prefill", n.url, str(n.bootstrap_port)] if n.role == "prefill" else ["--decode", n.url]
         return argv
+
+    def start_router(self, name: str, nodes: Sequence[str], args: Sequence[str] = (), timeout_s: float = 60.0) -> str:
+        """Another router of ours, in front of only the named nodes (e.g. one prefill/decode pair);
+        stopped with the cluster. Returns its URL once it sees them all healthy."""
+        chosen = [n for n in self.nodes if n.name in nodes]
+        if len(chosen) != len(nodes):
+            raise ValueError(f"unknown nodes in {list(nodes)}")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self._spawn(name, [sys.executable, "-m", "router", *self._router_argv("127.0.0.1", port, chosen),
+                           "--log-level", "warning", *args])
+
+        def healthy() -> bool:
+            status, body = _get_status(f"{url}/workers", self.headers())
+            workers = body.get("workers", []) if status == 200 and isinstance(body, dict) else []
+            return len(workers) == len(chosen) and all(w.get("healthy") for w in workers)
+
+        self._wait(name, healthy, time.monotonic() + timeout_s)
+        return url
 
     def _all_workers_healthy(self) -> bool:
         status, body = _get_status(f"{self.router_url}/workers", self.headers())
@@ -292,7 +320,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """The router first (no new requests reach dying nodes), then every node at once."""
-        order = sorted(self.procs.values(), key=lambda p: p is not self.procs.get("router"))
+        order = [p for _, p in sorted(self.procs.items(), key=lambda kv: not kv[0].startswith("router"))]
         for p in order:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -1,9 +1,16 @@
-"""Tensor-parallel nodes (``--tp-size 2``) behind our router: real Mooncake over TCP, a tiny qwen3
-with 8 query / 4 KV heads, two scheduler ranks per node agreeing on every step over gloo.
+"""Tensor-parallel nodes (``--tp-size``) behind our router: real Mooncake over TCP, a tiny qwen3
+with 8 query / 4 KV heads, the ranks of each node agreeing on every step over gloo.
 
-    test_tp2_to_tp2_*          20 prompts through the router (half streamed): equal HF greedy;
-                               each node reports two ranks; every node idle at the end, rooms of
-                               every rank included
+One cluster: prefill0 and prefill1 at TP 2, prefill2 at TP 1; decode0 at TP 2, decode1 at TP 1.
+One router of ours per combination, each in front of only its nodes:
+
+    router-2to2   prefill0 -> decode0          equal TP, rank r to rank r
+    router-2to1   prefill0 -> decode1          each decode head range from one of two prefill ranks
+    router-1to2   prefill2 -> decode0          each decode rank's heads sliced out of one prefill rank
+    router-2p1d   prefill0 + prefill1 -> decode1
+
+    test_pairs_*               20 prompts through each router (half streamed): equal HF greedy;
+                               every node idle at the end, rooms of every rank included
     test_flush_cache_*         /flush_cache reaches every rank at the same step: a repeated prompt
                                hits the cache, is recomputed after the flush, and still equals HF
     test_prefill_rank_killed_* prefill rank 1 stops itself right before writing one room's KV (fault
@@ -27,7 +34,7 @@ import httpx
 import pytest
 
 from common.tokenizer import Tokenizer
-from common.tools.local_cluster import LocalCluster
+from common.tools.local_cluster import LocalCluster, NodeInfo
 from tests.e2e.cluster import check_greedy, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -50,23 +57,31 @@ def _pid_alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+ROUTERS = {"router-2to2": ("prefill0", "decode0"), "router-2to1": ("prefill0", "decode1"),
+           "router-1to2": ("prefill2", "decode0"), "router-2p1d": ("prefill0", "prefill1", "decode1")}
+
+
 class TPCluster:
-    def __init__(self, cluster: LocalCluster, url: str, model_dir: str) -> None:
-        self.cluster, self.url, self.model_dir = cluster, url, model_dir
+    def __init__(self, cluster: LocalCluster, routers: dict[str, str], model_dir: str) -> None:
+        self.cluster, self.routers, self.model_dir = cluster, routers, model_dir
+        self.url = routers["router-2to2"]
         self.tok = Tokenizer(model_dir)
 
-    def info(self, name: str) -> dict:
-        url = next(n.url for n in self.cluster.nodes if n.name == name)
-        return httpx.get(url + "/server_info", timeout=10).json()
+    def node(self, name: str) -> NodeInfo:
+        return next(n for n in self.cluster.nodes if n.name == name)
 
-    def generate(self, prompt: list[int], stream: bool) -> list[int]:
+    def info(self, name: str) -> dict:
+        return httpx.get(self.node(name).url + "/server_info", timeout=10).json()
+
+    def generate(self, prompt: list[int], stream: bool, url: str | None = None) -> list[int]:
+        url = url or self.url
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}, "stream": stream}
         if not stream:
-            r = httpx.post(self.url + "/generate", json=body, timeout=60)
+            r = httpx.post(url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
             return r.json()["output_ids"]
         ids: list[int] = []
-        with httpx.stream("POST", self.url + "/generate", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
             assert r.status_code == 200, r.read()
             import json
 
@@ -88,10 +103,10 @@ def tp(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPath
     model_dir = tiny_model_factory("qwen3", num_attention_heads=8, num_key_value_heads=4)
     cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-tp-e2e")), env=NODE_ENV)
     try:
-        url = cluster.start(model_dir, backend="mooncake", prefill_tp=2, decode_tp=2, router="ours",
-                            router_args=ROUTER_ARGS, startup_timeout_s=180)
-        assert url is not None
-        yield TPCluster(cluster, url, model_dir)
+        cluster.start(model_dir, backend="mooncake", num_prefill=3, num_decode=2, prefill_tp=(2, 2, 1),
+                      decode_tp=(2, 1), router="none", startup_timeout_s=180)
+        routers = {name: cluster.start_router(name, nodes, ROUTER_ARGS) for name, nodes in ROUTERS.items()}
+        yield TPCluster(cluster, routers, model_dir)
     except BaseException:
         print(cluster.log_tails(60))
         raise
@@ -99,22 +114,26 @@ def tp(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPath
         cluster.stop()
 
 
-def test_tp2_to_tp2_through_the_router_equals_hf(tp: TPCluster) -> None:
-    for name in ("prefill0", "decode0"):
+def test_every_node_runs_its_ranks(tp: TPCluster) -> None:
+    for name, size in (("prefill0", 2), ("prefill1", 2), ("prefill2", 1), ("decode0", 2), ("decode1", 1)):
         info = tp.info(name)
-        assert info["tp_size"] == 2 and len(set(info["scheduler_rank_pids"])) == 2, (name, info)
-    prompts = [tp.tok.encode(f"prompt {i}: " + "tensor parallel ranks agree on every step " * (1 + i % 4))
+        assert info["tp_size"] == size and len(set(info["scheduler_rank_pids"])) == size, (name, info)
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_pairs_through_the_router_equal_hf(tp: TPCluster, router: str) -> None:
+    prompts = [tp.tok.encode(f"{router} {i}: " + "tensor parallel ranks agree on every step " * (1 + i % 4))
                for i in range(20)]
     with ThreadPoolExecutor(8) as ex:
-        outs = list(ex.map(lambda ip: tp.generate(ip[1], stream=ip[0] % 2 == 1), enumerate(prompts)))
+        outs = list(ex.map(lambda ip: tp.generate(ip[1], ip[0] % 2 == 1, tp.routers[router]), enumerate(prompts)))
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        check_greedy(tp.model_dir, prompt, out, N_NEW, f"tp2->tp2 #{i} stream={i % 2 == 1}")
+        check_greedy(tp.model_dir, prompt, out, N_NEW, f"{router} #{i} stream={i % 2 == 1}")
     tp.wait_idle()
 
 
 def test_flush_cache_reaches_every_rank(tp: TPCluster) -> None:
     prompt = tp.tok.encode("a prompt long enough to fill two pages of sixteen tokens, sent three times " * 2)
-    prefill = next(n.url for n in tp.cluster.nodes if n.name == "prefill0")
+    prefill = tp.node("prefill0").url
 
     def cached() -> int:
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
@@ -138,7 +157,7 @@ def _state(pid: int) -> str:
 
 
 def test_prefill_rank_killed_mid_transfer_fails_the_room_and_frees_decode_pages(tp: TPCluster) -> None:
-    [prefill], [decode] = tp.cluster.prefills, tp.cluster.decodes
+    prefill, decode = tp.node("prefill0"), tp.node("decode0")
     rank0, rank1 = tp.info("prefill0")["scheduler_rank_pids"]
     prompt = tp.tok.encode("the room whose second half never arrives " * 3)
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}, "bootstrap_host": "127.0.0.1",
