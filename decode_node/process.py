@@ -59,13 +59,16 @@ class DecodePart:
             reserved_decode_tokens=s.reserved_decode_tokens, ratio_init=s.new_token_ratio_init,
             ratio_min=min(s.new_token_ratio_min, s.new_token_ratio_init), ratio_decay_steps=s.new_token_ratio_decay_steps)
         chunk = s.chunked_prefill_size if s.chunked_prefill_size > 0 else s.max_prefill_tokens
+        from transfer.agreed import agreed_manager
+
+        rooms = agreed_manager(manager, agreement)  # TP: handles whose states every rank reads the same
         scheduler = DecodeScheduler(
-            engine, memory, manager, self._aux, stop, DecodeBudget(bcfg),
+            engine, memory, rooms, self._aux, stop, DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
             DecodeSchedConfig(max_running_requests=self._max_running, recompute_tokens_per_step=chunk,
                               check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
             agree_all=agreement.agree_all)
-        return scheduler, DecodeStats(scheduler, self._aux.num_slots, manager.num_rooms)
+        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms)
 
     def ready_info(self) -> dict:
         return {"running_rows": self._max_running, "prealloc_rows": self._rows - self._max_running}

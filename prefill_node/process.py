@@ -59,8 +59,11 @@ class PrefillPart:
         if envs.KV_INTEGRITY.get():  # checked before cache reuse, sent for the decode's check
             runner.memory.digests = page_digests(runner, self.transfer.cluster_secret)
             runner.memory.digests.agree_min = agreement.agree_min_int  # a page changed on any rank is changed
-        scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg, clock=agreement.clock)
-        return scheduler, PrefillStats(scheduler, manager.num_rooms)
+        from transfer.agreed import agreed_manager
+
+        rooms = agreed_manager(manager, agreement)  # TP: handles whose states every rank reads the same
+        scheduler = PrefillScheduler(engine, runner.memory, rooms.create_sender, stop, cfg, clock=agreement.clock)
+        return scheduler, PrefillStats(scheduler, rooms.num_rooms)
 
     def ready_info(self) -> dict:
         return {"control_endpoint": self._manager.endpoint}

@@ -40,7 +40,7 @@ from common.cpu_budget import apply_scheduler_budget
 from common.ipc.node_io import NodeIO, flush_cache
 from common.ipc.protocol import AbortReq, FlushCacheReq, GenerateReq, IpcEndpoints, ReqOutput, WorkItem
 from common.node.contract import NodeScheduler, StepStats
-from common.node.tp_step import ONE_RANK, AgreedManager, AgreedRooms, RankAgreement, StepClock, StepSync
+from common.node.tp_step import ONE_RANK, RankAgreement, StepClock, StepSync
 from common.parallel import SINGLE_RANK, TPGroup, init_tp_group, rank_cpu_config
 
 if TYPE_CHECKING:
@@ -84,7 +84,8 @@ class RolePart(Protocol):
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: TransferManager, agreement: RankAgreement) -> tuple[NodeScheduler, StepStats]:
         """``agreement``: the clock the scheduler must read and how it agrees local verdicts
-        with the node's other TP ranks (``ONE_RANK`` at tp = 1)."""
+        with the node's other TP ranks (``ONE_RANK`` at tp = 1); the scheduler must get the
+        manager through ``transfer.agreed.agreed_manager``."""
         ...
 
     def ready_info(self) -> dict:
@@ -117,14 +118,11 @@ class NodeProcess:
         self.io: NodeIO | None = None
         try:
             sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids)  # masks ends before min_new_tokens
-            if group.size == 1:
-                sched_manager, agreement, self.rooms = self.manager, ONE_RANK, None
-            else:
-                self.rooms, self.clock = AgreedRooms(self.sync, self.manager.num_rooms), StepClock()
-                sched_manager, agreement = AgreedManager(self.manager, self.rooms), RankAgreement.of(self.sync, self.clock)
+            self.clock = StepClock()
+            self.agreement = ONE_RANK if group.size == 1 else RankAgreement.of(self.sync, self.clock)
             self.scheduler, self.stats = part.build_scheduler(
                 self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
-                sched_manager, agreement)
+                self.manager, self.agreement)
             if group.is_first:
                 self.io = NodeIO(endpoints, self.stats, defer_flush=group.size > 1)
                 self.manager.set_state_listener(self.io.wake)
@@ -142,7 +140,6 @@ class NodeProcess:
             assert self.io is not None
             serve(self.scheduler, self.io, self.stats, stop, self.role)
         else:
-            assert self.rooms is not None
             serve_ranks(self, stop)
 
     def ready_info(self) -> dict:
@@ -212,7 +209,6 @@ def serve_ranks(node: NodeProcess, stop: threading.Event) -> None:
     disagree on what happened. Other ranks ignore their own SIGTERM: they end when rank 0 says
     so, or when rank 0 is gone (a failed collective)."""
     sched, io, sync, stats = node.scheduler, node.io, node.sync, node.stats
-    assert node.rooms is not None
     first = node.group.is_first
     parent = os.getppid()
     next_check = time.monotonic() + PARENT_CHECK_S
@@ -238,7 +234,8 @@ def serve_ranks(node: NodeProcess, stop: threading.Event) -> None:
         if msg.stop:
             return
         node.clock.now = step.clock
-        node.rooms.refresh()
+        for hook in node.agreement.step_hooks:  # the role's room handles agree their states
+            hook()
         for flush in msg.flushes:  # every rank flushes at the same step; rank 0 answers
             result = flush_cache(stats)
             if io is not None:
