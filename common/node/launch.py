@@ -259,7 +259,9 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
             threading.Thread(target=_watch_scheduler, args=(child, stopping, died, role), daemon=True).start()
         api_cfg = replace(api_cfg, server_info_extra={**api_cfg.server_info_extra,
                                                       "max_total_tokens": info["max_total_tokens"],
-                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"]})
+                                                      "scheduler_pid": info["pid"], "cpu": info["cpu"],
+                                                      # where its KV events are published (docs/PROTOCOL.md §7)
+                                                      **({"kv_events": info["kv_events"]} if "kv_events" in info else {})})
         run_api_server(api_cfg, endpoints, scheduler_alive=child.alive)
     except StartupError as exc:
         log.error("%s", exc)

@@ -94,6 +94,7 @@ class NodeProcess:
         from common.tokenizer import Tokenizer
 
         self.role = part.role
+        self._part = part
         self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), cfg.attention)
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
@@ -122,6 +123,9 @@ class NodeProcess:
     def close(self) -> None:
         self.manager.close()
         self.io.close()
+        close_part = getattr(self._part, "close", None)  # what a role opened beside the manager
+        if close_part is not None:
+            close_part()
 
 
 class LoopIO(Protocol):
