@@ -150,8 +150,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 # ---- generation --------------------------------------------------------------------------------
 
 
-def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int,
-                        tokenizer: PromptTokenizer | None = None) -> tuple[Any, RequestInfo, RouteKey | None]:
+def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int, tokenizer: PromptTokenizer | None = None,
+                        block_sizes: tuple[int, ...] = ()) -> tuple[Any, RequestInfo, RouteKey | None]:
     try:
         body = decode_json(raw)  # 400: too deep, not JSON
     except BodyError as exc:
@@ -160,12 +160,15 @@ def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int,
     n = info.sequences // (info.items or 1)
     if n > max_n:
         raise RouterError(400, f"'n' is {n}; this router allows at most {max_n} (--max-n)")
-    return body, info, _route_key(tokenizer, endpoint, body, info)
+    return body, info, _route_key(tokenizer, endpoint, body, info, block_sizes)
 
 
-def _route_key(tokenizer: PromptTokenizer | None, endpoint: str, body: dict, info: RequestInfo) -> RouteKey | None:
-    """The prompt as token ids for exact cache-aware routing; a prompt the router cannot tokenize
-    is routed by load (the nodes judge it), never refused here."""
+def _route_key(tokenizer: PromptTokenizer | None, endpoint: str, body: dict, info: RequestInfo,
+               block_sizes: tuple[int, ...] = ()) -> RouteKey | None:
+    """The prompt as token ids for exact cache-aware routing, its block hashes for the workers'
+    ``block_sizes`` computed here (in a worker thread for a large body, not in the policy on the
+    event loop). A prompt the router cannot tokenize is routed by load (the nodes judge it), never
+    refused here."""
     if tokenizer is None:
         return None
     try:
@@ -173,7 +176,11 @@ def _route_key(tokenizer: PromptTokenizer | None, endpoint: str, body: dict, inf
     except Exception:  # the tokenizer library's errors: a prediction is only an optimisation
         logging.getLogger("router").debug("could not tokenize a %s prompt", endpoint, exc_info=True)
         tokens = None
-    return RouteKey(info.key, tokens)
+    key = RouteKey(info.key, tokens)
+    if tokens is not None:
+        for size in block_sizes:
+            key.hashes(size)
+    return key
 
 
 def _generation(endpoint: str):  # type: ignore[no-untyped-def]
@@ -185,11 +192,12 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
             except BodyError as exc:
                 raise RouterError(exc.status, exc.message) from exc
             # Decoding and inspecting 15 MB took the loop 0.6 s; tokenizing costs ~1 ms per 4 kB of text.
+            sizes = router.kv_index.block_sizes() if router.kv_index is not None else ()
             if len(raw) > (INLINE_DECODE_BYTES if router.tokenizer is None else INLINE_TOKENIZE_BYTES):
                 body, info, key = await asyncio.to_thread(_decode_and_inspect, endpoint, raw, router.cfg.max_n,
-                                                          router.tokenizer)
+                                                          router.tokenizer, sizes)
             else:
-                body, info, key = _decode_and_inspect(endpoint, raw, router.cfg.max_n, router.tokenizer)
+                body, info, key = _decode_and_inspect(endpoint, raw, router.cfg.max_n, router.tokenizer, sizes)
         except RouterError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             router.metrics.errors.labels(endpoint, "bad_request").inc()

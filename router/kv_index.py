@@ -117,6 +117,10 @@ class KVIndex:
         idx = self.workers.get(url)
         return idx if idx is not None and idx.synced else None
 
+    def block_sizes(self) -> tuple[int, ...]:
+        """The synced workers' block sizes (one, in a cluster of equal page sizes)."""
+        return tuple({idx.block_size for idx in self.workers.values() if idx.synced})
+
     def forget(self, url: str) -> None:
         idx = self.workers.pop(url, None)
         if idx is not None:
