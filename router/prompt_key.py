@@ -3,8 +3,9 @@ without a tokenizer) and, with ``--tokenizer-path``, as token ids, the way the n
 
     /generate        text -> encode(text) (special tokens added, as the nodes do); input_ids as given
     /v1/completions  prompt: the same
-    /v1/chat/...     no ids: the nodes render the model's chat template (Jinja, via transformers),
-                     which the router does not reproduce; such requests are routed by load
+    /v1/chat/...     messages rendered with the model's chat template as the nodes render it
+                     (router/chat_template.py, jinja2), encoded without adding special tokens;
+                     no template (or one that fails here): no ids, routed by load
 A batch is keyed on its first prompt (as the character tree always was).
 
 The router only needs the ``tokenizers`` library (Rust, no torch or transformers): it reads the
@@ -47,7 +48,8 @@ class RouteKey:
 
 
 class PromptTokenizer:
-    """The model's ``tokenizer.json`` (``path``: the file or its directory)."""
+    """The model's ``tokenizer.json`` (``path``: the file or its directory) and the chat template
+    beside it, if any."""
 
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer  # imported here: only a router with --tokenizer-path needs it
@@ -55,13 +57,17 @@ class PromptTokenizer:
         file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
         self.path = file
         self._tok = Tokenizer.from_file(file)
+        from router.chat_template import ChatTemplate
+
+        self._chat = ChatTemplate.load(os.path.dirname(file))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def prompt_ids(self, endpoint: str, body: dict) -> list[int] | None:
         """The first prompt of a request (already checked by ``router.parse.inspect``) as token ids;
-        None for a chat request or ids no node would take (outside uint32: they cannot be hashed)."""
+        None where it cannot tell (a chat without a template it can render) or for ids no node
+        would take (outside uint32: they cannot be hashed)."""
         ids = self._ids(endpoint, body)
         if ids is None or any(not 0 <= t < 1 << 32 for t in ids):
             return None
@@ -69,7 +75,8 @@ class PromptTokenizer:
 
     def _ids(self, endpoint: str, body: dict) -> list[int] | None:
         if endpoint == "chat":
-            return None
+            text = None if self._chat is None else self._chat.render(body.get("messages"))
+            return None if text is None else self.encode(text, add_special_tokens=False)
         value: Any = body.get("input_ids") if endpoint == "generate" and body.get("input_ids") is not None else \
             body.get("text") if endpoint == "generate" else body.get("prompt")
         if isinstance(value, str):

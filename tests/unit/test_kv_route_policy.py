@@ -4,6 +4,7 @@ two routers, falls back to load when it cannot predict, and the router tokenizes
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -114,6 +115,43 @@ def test_the_router_tokenizes_prompts_as_the_node_does(tiny_qwen3: str) -> None:
     assert router.prompt_ids("generate", {"input_ids": [[5, 6, 7], [8]]}) == [5, 6, 7]
     assert router.prompt_ids("completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
     assert router.prompt_ids("generate", {"input_ids": [1, 1 << 40]}) is None  # cannot be hashed: by load
-    assert router.prompt_ids("chat", {"messages": [{"role": "user", "content": "hi"}]}) is None
     with pytest.raises(Exception):
         PromptTokenizer("/nonexistent/tokenizer.json")
+
+
+QWEN_LIKE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{%- endif %}\n"
+    "{%- set ns = namespace(users=0) %}\n"
+    "{%- for message in messages %}\n"
+    "  {%- if message.role == 'user' %}{%- set ns.users = ns.users + 1 %}{%- endif %}\n"
+    "  {%- if message.role != 'system' or not loop.first %}\n"
+    "    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "  {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{{- '<!-- ' + ns.users|string + ' ' + (messages[-1] | tojson) + ' -->' }}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_the_router_renders_chat_templates_as_the_node_does(tiny_qwen3: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import shutil
+
+    from common.tokenizer import Tokenizer
+
+    other = tmp_path / "qwen-like"
+    other.mkdir()
+    shutil.copy(f"{tiny_qwen3}/tokenizer.json", other / "tokenizer.json")
+    config = json.loads((Path(tiny_qwen3) / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_LIKE}))
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ünï ✓ <b>"},
+              {"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                   {"type": "text", "text": "b"}]}]]
+    for directory in (tiny_qwen3, str(other)):
+        node, router = Tokenizer(directory), PromptTokenizer(directory)
+        for msgs in chats:
+            assert router.prompt_ids("chat", {"messages": msgs}) == node.apply_chat_template(msgs), directory
+    router = PromptTokenizer(str(other))
+    assert router.prompt_ids("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) is None
+    assert router.prompt_ids("chat", {"messages": "not a list"}) is None
