@@ -107,6 +107,7 @@ class NodeProcess:
             self.manager.set_state_listener(self.io.wake)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
+            self._close_part()
             raise
         mem = self.runner.memory
         self._ready = {"max_total_tokens": mem.allocator.num_total * mem.page_size, **part.ready_info()}
@@ -123,6 +124,9 @@ class NodeProcess:
     def close(self) -> None:
         self.manager.close()
         self.io.close()
+        self._close_part()
+
+    def _close_part(self) -> None:
         close_part = getattr(self._part, "close", None)  # what a role opened beside the manager
         if close_part is not None:
             close_part()

@@ -7,6 +7,7 @@ tiny qwen3; one cluster for the module.
                         evict): for every request the router's predicted hit equals the cached
                         tokens the prefill reported (router metrics), and each turn goes to the
                         prefill holding its history
+    test_chat_*         chat turns: the router renders the chat template as the nodes do
     test_restarted_*    a new router process resyncs from the snapshots and routes as before
 """
 from __future__ import annotations
@@ -138,6 +139,24 @@ def test_prediction_equals_the_reported_hit_through_evictions(kv_cluster: LocalC
     assert not drops, drops
     for p in kv_cluster.prefills:
         wait_idle(p.url)
+
+
+def test_chat_turns_are_rendered_by_the_router_and_predicted_exactly(kv_cluster: LocalCluster) -> None:
+    """The router renders the chat template as the nodes do: turn 2 hits turn 1's prompt."""
+    url = kv_cluster.router_url
+    assert url is not None
+    history = [{"role": "user", "content": turn_text(7, 1)}]
+    reported = []
+    for reply in (None, "a short answer"):
+        if reply is not None:
+            history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+        before = RouterCounts.scrape(url)
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": history, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        exact, predicted, got, _ = RouterCounts.scrape(url).since(before)
+        assert exact == 1 and predicted == got, f"chat: predicted {predicted}, the prefill reported {got}"
+        reported.append(got)
+    assert reported[1] >= 64, reported  # turn 1's prompt (~100 tokens) served from the cache
 
 
 def test_restarted_router_resyncs_from_the_snapshot_and_routes_as_before(kv_cluster: LocalCluster) -> None:
