@@ -85,9 +85,18 @@ class KVEventLog:
 
     # -- the radix cache's hooks ----------------------------------------------------------------
 
+    # The hooks run inside the cache's own updates: they must never raise into them (a half-done
+    # release would leak a lock). What they cannot name (a parent page they never saw: a bug) is
+    # left out of the log and the subscribers are sent to the snapshot; the cache is unaffected.
+
     def stored(self, parent_page: int | None, pages: Sequence[int], token_ids: Sequence[int]) -> None:
         """``pages`` (holding ``token_ids``, whole blocks) entered the cache after ``parent_page``."""
-        parent = ROOT_HASH if parent_page is None else self._hash[parent_page]
+        parent = ROOT_HASH if parent_page is None else self._hash.get(parent_page)
+        if parent is None:
+            log.error("KV events: page %d is cached after page %d, which has no hash; not published",
+                      pages[0] if pages else -1, parent_page)
+            self._overflow = True
+            return
         hashes = block_hashes(token_ids, self.block_size, parent)
         for page, h in zip(pages, hashes):
             self._hash[page] = h
@@ -95,7 +104,7 @@ class KVEventLog:
         self._add(BlockStored(parent_hash=None if parent_page is None else parent, block_hashes=hashes), len(hashes))
 
     def removed(self, pages: Sequence[int]) -> None:
-        hashes = [self._hash.pop(p) for p in pages]
+        hashes = [h for h in (self._hash.pop(p, None) for p in pages) if h is not None]
         self.counters.removed_blocks += len(hashes)
         self._add(BlockRemoved(block_hashes=hashes), len(hashes))
 
