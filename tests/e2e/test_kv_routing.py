@@ -1,7 +1,7 @@
 """Exact cache-aware routing end to end: two prefill nodes with small KV pools publish their radix
 caches' KV events; our router (``--tokenizer-path``) subscribes, indexes them and predicts each
 request's prefill cache hit. Fake data plane (no KV bytes move: routing is what is tested) and a
-tiny qwen3; one cluster for the module.
+tiny qwen3; one cluster for the module, with a cluster secret (sealed events, signed snapshots).
 
     test_prediction_*   multi-turn conversations whose histories overflow the pools (so the caches
                         evict): for every request the router's predicted hit equals the cached
@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from common.tools.local_cluster import LocalCluster
+from common.auth import signed_headers
 from tests.e2e.cluster import wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -30,11 +31,15 @@ PAGE = 16
 # pigeonhole principle 3 conversations put two on one of the 2 prefills.
 POOL = ["--max-total-tokens", str(20 * PAGE), "--max-running-requests", "4"]
 ROUTER_ARGS = ["--policy", "cache-aware", "--health-check-interval-s", "0.5", "--request-timeout-s", "60"]
+SECRET = "kv-routing-e2e-secret-0123456789"
+ROUTER = [""]  # the module's router URL, once started
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
 
 def metrics(url: str) -> str:
-    return httpx.get(url + "/metrics", timeout=10).text
+    """The router's /metrics (open: this router has no API key); a node's needs a request token."""
+    headers = signed_headers(SECRET, "GET", url + "/metrics") if url != ROUTER[0] else {}
+    return httpx.get(url + "/metrics", timeout=10, headers=headers).text
 
 
 def samples(text: str, name: str) -> dict[str, float]:
@@ -58,10 +63,13 @@ def wait_synced(url: str, n: int, timeout_s: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 def kv_cluster(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     model_dir = tiny_model_factory("qwen3")
-    cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-kv-routing")))
+    # With a cluster secret: the events are sealed and the snapshot needs a request token.
+    cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-kv-routing")), cluster_secret=SECRET, api_key=None,
+                           operator_key=None)
     try:
         cluster.start(model_dir, backend="fake", page_size=PAGE, num_prefill=2, num_decode=1, prefill_args=POOL,
                       router_args=[*ROUTER_ARGS, "--tokenizer-path", model_dir], startup_timeout_s=180)
+        ROUTER[0] = cluster.router_url  # type: ignore[assignment]
         wait_synced(cluster.router_url, 2)  # type: ignore[arg-type]
         yield cluster
     except BaseException:
@@ -138,7 +146,7 @@ def test_prediction_equals_the_reported_hit_through_evictions(kv_cluster: LocalC
              if any(f'verdict="{d}"' in k for d in ("malformed", "unauthenticated", "replayed", "gap", "silent"))}
     assert not drops, drops
     for p in kv_cluster.prefills:
-        wait_idle(p.url)
+        wait_idle(p.url, secret=SECRET)
 
 
 def test_chat_turns_are_rendered_by_the_router_and_predicted_exactly(kv_cluster: LocalCluster) -> None:
@@ -162,6 +170,11 @@ def test_chat_turns_are_rendered_by_the_router_and_predicted_exactly(kv_cluster:
 def test_restarted_router_resyncs_from_the_snapshot_and_routes_as_before(kv_cluster: LocalCluster) -> None:
     url = kv_cluster.router_url
     assert url is not None
+    for p in kv_cluster.prefills:
+        info = httpx.get(p.url + "/server_info", headers=signed_headers(SECRET, "GET", p.url + "/server_info"),
+                         timeout=10).json()["kv_events"]
+        assert info["sealed"] is True and info["endpoint"] == f"tcp://127.0.0.1:{info['port']}"
+        assert httpx.get(p.url + "/kv_events/snapshot", timeout=10).status_code == 401  # no request token
     blocks = {p.url: node_metric(p.url, "pdc_scheduler_kv_events_blocks") for p in kv_cluster.prefills}
     kv_cluster.kill("router")
     kv_cluster._spawn("router", kv_cluster.argv["router"])
