@@ -40,11 +40,11 @@ from router.auth import CLIENT, require_keys
 from router.clients import Clients, KeysFileError, retry_after, token_estimate
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
+from router.kv_index import KVIndex
+from router.kv_subscriber import KVSubscriptions
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_auth import sign_requests
 from router.parse import RequestInfo, RouterError, inspect
-from router.kv_index import KVIndex
-from router.kv_subscriber import KVSubscriptions
 from router.policies import ExactCacheAware, make_policy
 from router.prompt_key import PromptTokenizer, RouteKey
 from router.rooms import Rooms
@@ -191,7 +191,8 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
                 raw = await read_body(request, router.body_limits)  # 413, 408
             except BodyError as exc:
                 raise RouterError(exc.status, exc.message) from exc
-            # Decoding and inspecting 15 MB took the loop 0.6 s; tokenizing costs ~1 ms per 4 kB of text.
+            # Decoding and inspecting 15 MB took the loop 0.6 s; tokenizing and hashing a prompt costs
+            # more per byte, so with a tokenizer a smaller body already goes to a worker thread.
             sizes = router.kv_index.block_sizes() if router.kv_index is not None else ()
             if len(raw) > (INLINE_DECODE_BYTES if router.tokenizer is None else INLINE_TOKENIZE_BYTES):
                 body, info, key = await asyncio.to_thread(_decode_and_inspect, endpoint, raw, router.cfg.max_n,

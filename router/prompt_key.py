@@ -21,6 +21,8 @@ from typing import Any
 from common.kv_events import ROOT_HASH, block_hashes
 from common.pd_contract import all_ints
 
+_GIL_FREE_CHARS = 16384  # longer texts are encoded through encode_batch (GIL released)
+
 
 @dataclass
 class RouteKey:
@@ -62,6 +64,10 @@ class PromptTokenizer:
         self._chat = ChatTemplate.load(os.path.dirname(file))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Only the batch binding releases the GIL while Rust works (as common/tokenizer/hf.py
+        # found): a long prompt, tokenized in a worker thread, must not stall the event loop.
+        if len(text) > _GIL_FREE_CHARS:
+            return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def prompt_ids(self, endpoint: str, body: dict) -> list[int] | None:

@@ -108,7 +108,8 @@ def test_the_router_tokenizes_prompts_as_the_node_does(tiny_qwen3: str) -> None:
     from common.tokenizer import Tokenizer
 
     node, router = Tokenizer(tiny_qwen3), PromptTokenizer(tiny_qwen3)
-    texts = ["hello world", "A shared system prompt, then a question?  Spaces  and\nnewlines.", "ünïcödé ✓ 123"]
+    texts = ["hello world", "A shared system prompt, then a question?  Spaces  and\nnewlines.", "ünïcödé ✓ 123",
+             "a long one, encoded through the batch binding " * 400]
     for text in texts:
         assert router.prompt_ids("generate", {"text": text}) == node.encode(text)
         assert router.prompt_ids("completions", {"prompt": [text, "second"]}) == node.encode(text)
