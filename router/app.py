@@ -62,6 +62,9 @@ class Router:
         self.session = session
         # Exact cache-aware routing needs the model's tokenizer; the prefills' KV events feed it.
         exact = cfg.tokenizer_path is not None and cfg.prefill_policy == "cache-aware"
+        if cfg.tokenizer_path is not None and not exact:
+            logging.getLogger("router").warning("--tokenizer-path is used only by the cache-aware prefill policy; "
+                                                "the prefill policy is %s", cfg.prefill_policy)
         self.tokenizer = PromptTokenizer(cfg.tokenizer_path) if exact and cfg.tokenizer_path else None
         self.kv_index = KVIndex() if exact else None
         self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache, self.kv_index),
