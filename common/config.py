@@ -145,6 +145,19 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """The prefix cache's KV events (common/kvcache/kv_event_log.py): a ZMQ PUB socket on the
+    advertised host, announced in /server_info; off with the prefix cache."""
+
+    enabled: bool = True
+    port: int = 0  # 0: a free port, chosen at start
+
+    def validate(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--kv-events-port {self.port} out of range")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
@@ -179,9 +192,11 @@ class NodeConfig:
     server: ServerConfig = ServerConfig()
     cpu: CpuConfig = CpuConfig()
     parallel: ParallelConfig = ParallelConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     def validate(self) -> None:
-        for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server, self.parallel):
+        for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server, self.parallel,
+                     self.kv_events):
             part.validate()
         try:
             self.cpu.validate()

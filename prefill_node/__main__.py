@@ -24,7 +24,7 @@ import logging
 import sys
 
 from common import envs
-from common.config import NodeConfig, SchedulerConfig
+from common.config import KVEventsConfig, NodeConfig, SchedulerConfig
 from common.node.launch import (
     SchedulerChild,
     StartupError,
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most prompt tokens per forward {d}")
     p.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm"), help=f"waiting queue order {d}")
     p.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--kv-events-port", type=int, default=KVEventsConfig.port,
+                   help=f"port of the prefix cache's KV-event PUB socket (0: a free one; /server_info says which) {d}")
+    p.add_argument("--disable-kv-events", action="store_true", help="publish no KV events")
     return p
 
 
@@ -69,6 +72,8 @@ def config_from_args(ns: argparse.Namespace) -> NodeConfig:
         server=server_config(ns),
         cpu=cpu_slice(ns),
         parallel=parallel_config(ns),
+        kv_events=KVEventsConfig(enabled=not ns.disable_kv_events and not ns.disable_radix_cache,
+                                 port=ns.kv_events_port),
     )
 
 
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from bootstrap_server.client import bootstrap_url
 
     tc = cfg.transfer
-    part = PrefillPart(cfg.sched, tc, bootstrap_url(ns.host, tc.bootstrap_port))
+    part = PrefillPart(cfg.sched, tc, bootstrap_url(ns.host, tc.bootstrap_port), kv_events=cfg.kv_events)
     return run_node(cfg, api_cfg, part, sidecar=lambda child: Registry(ns.host, tc.bootstrap_port, child, tc.cluster_secret))
 
 

@@ -2,16 +2,17 @@
 
 What differs from the decode: its KV manager sends (``PrefillKVManager``, registered with the
 node's own bootstrap server), its aux rows only give the layout the decode's rows must match (the
-transfer workers stage each record in rows of their own), and its scheduler is
-``PrefillScheduler``.
+transfer workers stage each record in rows of their own), its scheduler is ``PrefillScheduler``,
+and its prefix cache publishes KV events (``common/kvcache/kv_event_log.py``; flushed after every
+loop turn by ``PrefillStats.observe_step``, so the scheduler's step is untouched).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common import envs
-from common.config import CacheConfig, SchedulerConfig, TransferConfig
+from common.config import CacheConfig, KVEventsConfig, SchedulerConfig, TransferConfig
 from prefill_node.adder import PrefillBudget
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
     from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
+    from common.kvcache.kv_event_log import KVEventPublisher
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
     from transfer.prefill import PrefillKVManager
@@ -31,6 +33,7 @@ class PrefillPart:
     transfer: TransferConfig
     bootstrap_url: str  # this node's bootstrap server, where the rank registers
     role: str = "prefill"
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def cache_config(self, cache: CacheConfig) -> CacheConfig:
         return cache
@@ -39,6 +42,7 @@ class PrefillPart:
         from transfer.aux import AuxPool
         from transfer.factory import build_prefill_manager, node_kv_args
 
+        self._host = host  # the KV-event socket binds it too (build_scheduler)
         # Registered memory: kept alive as long as the manager. One row: only its layout matters.
         self._aux: AuxPool = AuxPool(1, top_k=self.transfer.aux_top_k)
         args = node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host, runner.tp.rank, runner.tp.size)
@@ -63,7 +67,26 @@ class PrefillPart:
 
         rooms = agreed_manager(manager, agreement)  # TP: handles whose states every rank reads the same
         scheduler = PrefillScheduler(engine, runner.memory, rooms.create_sender, stop, cfg, clock=agreement.clock)
-        return scheduler, PrefillStats(scheduler, rooms.num_rooms)
+        self._events: KVEventPublisher | None = None
+        cache = runner.memory.cache
+        # Rank 0 alone publishes: every rank's cache holds the same blocks (same steps, same inputs).
+        if self.kv_events.enabled and cache.enabled and runner.tp.is_first:
+            from common.kvcache.kv_event_log import KVEventPublisher
+
+            # Before the first insert: the log names cached pages by the hashes it recorded.
+            self._events = KVEventPublisher(self.role, cache.page_size, self._host, self.kv_events.port,
+                                            self.transfer.cluster_secret)
+            cache.events = self._events.log
+        return scheduler, PrefillStats(scheduler, rooms.num_rooms, self._events.log if self._events else None)
 
     def ready_info(self) -> dict:
-        return {"control_endpoint": self._manager.endpoint}
+        info: dict = {"control_endpoint": self._manager.endpoint}
+        if self._events is not None:
+            import msgspec
+
+            info["kv_events"] = msgspec.to_builtins(self._events.info)
+        return info
+
+    def close(self) -> None:
+        if getattr(self, "_events", None) is not None:
+            self._events.close()

@@ -8,23 +8,40 @@ Idle baseline of ``/debug/memory`` (what a leak test compares against): every qu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from common.ipc.node_io import RateMeter
 from prefill_node.scheduler import PrefillScheduler
 
+if TYPE_CHECKING:
+    from common.kvcache.kv_event_log import KVEventLog
+
 
 class PrefillStats:
-    def __init__(self, sched: PrefillScheduler, transfer_rooms: Callable[[], int] | None = None) -> None:
+    def __init__(self, sched: PrefillScheduler, transfer_rooms: Callable[[], int] | None = None,
+                 kv_events: KVEventLog | None = None) -> None:
         self._s = sched
         self._rooms = transfer_rooms or (lambda: 0)
         self._meter = RateMeter()
         self._seen_tokens = 0
+        self._events = kv_events
 
     def observe_step(self, turn_s: float) -> None:
-        """After each loop turn (``common.node.contract``): feeds the prefill throughput window."""
+        """After each loop turn (``common.node.contract``): feeds the prefill throughput window and
+        publishes the turn's KV events (one batch, non-blocking)."""
         done = self._s.counters.prompt_tokens
         self._meter.add(done - self._seen_tokens)
         self._seen_tokens = done
+        if self._events is not None:
+            self._events.flush()
+
+    def kv_snapshot(self) -> dict:
+        """Every block the prefix cache holds and the event ``seq`` that includes them (GET /kv_events/snapshot)."""
+        if self._events is None:
+            return {"error": "this node publishes no KV events (--disable-kv-events or no prefix cache)"}
+        return msgspec.to_builtins(self._events.snapshot())
 
     def _held_pages(self, inflight_only: bool = False) -> int:
         """Pages the requests own. Their cached prefix pages are the cache's (counted in
@@ -76,7 +93,7 @@ class PrefillStats:
             "forward_seconds_total": c.forward_s,
             "forwards_total": float(c.forwards),
             "kv_integrity_failures_total": float(mem.digests.failures if mem.digests is not None else 0),
-        }
+        } | ({} if self._events is None else self._events.metrics())
 
     def flush_cache(self) -> tuple[bool, str]:
         s = self._s

@@ -40,14 +40,18 @@ from router.auth import CLIENT, require_keys
 from router.clients import Clients, KeysFileError, retry_after, token_estimate
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
 from router.forward import ForwardConfig, Forwarder, error_response
+from router.kv_index import KVIndex
+from router.kv_subscriber import KVSubscriptions
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.node_auth import sign_requests
 from router.parse import RequestInfo, RouterError, inspect
-from router.policies import make_policy
+from router.policies import ExactCacheAware, make_policy
+from router.prompt_key import PromptTokenizer, RouteKey
 from router.rooms import Rooms
 from router.workers import Worker, Workers
 
 MODELS_CACHE_S = 10.0
+INLINE_TOKENIZE_BYTES = 8192  # larger bodies are tokenized in a worker thread, off the event loop
 
 
 class Router:
@@ -56,11 +60,25 @@ class Router:
     def __init__(self, cfg: RouterConfig, session: aiohttp.ClientSession) -> None:
         self.cfg = cfg
         self.session = session
-        self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache),
+        # Exact cache-aware routing needs the model's tokenizer; the prefills' KV events feed it.
+        exact = cfg.tokenizer_path is not None and cfg.prefill_policy == "cache-aware"
+        if cfg.tokenizer_path is not None and not exact:
+            logging.getLogger("router").warning("--tokenizer-path is used only by the cache-aware prefill policy; "
+                                                "the prefill policy is %s", cfg.prefill_policy)
+        self.tokenizer = PromptTokenizer(cfg.tokenizer_path) if exact and cfg.tokenizer_path else None
+        self.kv_index = KVIndex() if exact else None
+        self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache, self.kv_index),
                          "decode": make_policy(cfg.decode_policy, cfg.cache)}
         self.workers = Workers(cfg.workers, cfg.health_failure_threshold, self._forget, cfg.cluster_secret)
         self.rooms = Rooms()
         self.metrics = RouterMetrics(self.workers.all)
+        self.kv_subscriptions: KVSubscriptions | None = None
+        prefill_policy = self.policies["prefill"]
+        if self.kv_index is not None and isinstance(prefill_policy, ExactCacheAware):
+            self.metrics.watch_kv(self.kv_index, lambda: dict(prefill_policy.picks))
+            self.kv_subscriptions = KVSubscriptions(
+                self.workers, self.kv_index, session, cfg.cluster_secret, cfg.kv_events_stale_s,
+                lambda url, verdict: self.metrics.kv_events.labels(url, verdict).inc())
         self.forwarder = Forwarder(self.workers, self.policies, self.rooms, session,
                                    ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s),
                                    self.metrics)
@@ -118,21 +136,25 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         loop.add_signal_handler(signal.SIGHUP, _reload_keys, app)
     loops = asyncio.create_task(router.workers.run(session, cfg.health_check_interval_s, cfg.load_poll_interval_s,
                                                    cfg.health_check_timeout_s))
+    kv = asyncio.create_task(router.kv_subscriptions.run()) if router.kv_subscriptions is not None else None
     try:
         yield
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGHUP)
-        loops.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loops
+        for task in (loops, kv):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await session.close()
 
 
 # ---- generation --------------------------------------------------------------------------------
 
 
-def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int) -> tuple[Any, RequestInfo]:
+def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int, tokenizer: PromptTokenizer | None = None,
+                        block_sizes: tuple[int, ...] = ()) -> tuple[Any, RequestInfo, RouteKey | None]:
     try:
         body = decode_json(raw)  # 400: too deep, not JSON
     except BodyError as exc:
@@ -141,7 +163,27 @@ def _decode_and_inspect(endpoint: str, raw: bytes, max_n: int) -> tuple[Any, Req
     n = info.sequences // (info.items or 1)
     if n > max_n:
         raise RouterError(400, f"'n' is {n}; this router allows at most {max_n} (--max-n)")
-    return body, info
+    return body, info, _route_key(tokenizer, endpoint, body, info, block_sizes)
+
+
+def _route_key(tokenizer: PromptTokenizer | None, endpoint: str, body: dict, info: RequestInfo,
+               block_sizes: tuple[int, ...] = ()) -> RouteKey | None:
+    """The prompt as token ids for exact cache-aware routing, its block hashes for the workers'
+    ``block_sizes`` computed here (in a worker thread for a large body, not in the policy on the
+    event loop). A prompt the router cannot tokenize is routed by load (the nodes judge it), never
+    refused here."""
+    if tokenizer is None:
+        return None
+    try:
+        tokens = tokenizer.prompt_ids(endpoint, body)
+    except Exception:  # the tokenizer library's errors: a prediction is only an optimisation
+        logging.getLogger("router").debug("could not tokenize a %s prompt", endpoint, exc_info=True)
+        tokens = None
+    key = RouteKey(info.key, tokens)
+    if tokens is not None:
+        for size in block_sizes:
+            key.hashes(size)
+    return key
 
 
 def _generation(endpoint: str):  # type: ignore[no-untyped-def]
@@ -152,10 +194,14 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
                 raw = await read_body(request, router.body_limits)  # 413, 408
             except BodyError as exc:
                 raise RouterError(exc.status, exc.message) from exc
-            if len(raw) > INLINE_DECODE_BYTES:  # decoding and inspecting 15 MB took the loop 0.6 s
-                body, info = await asyncio.to_thread(_decode_and_inspect, endpoint, raw, router.cfg.max_n)
+            # Decoding and inspecting 15 MB took the loop 0.6 s; tokenizing and hashing a prompt costs
+            # more per byte, so with a tokenizer a smaller body already goes to a worker thread.
+            sizes = router.kv_index.block_sizes() if router.kv_index is not None else ()
+            if len(raw) > (INLINE_DECODE_BYTES if router.tokenizer is None else INLINE_TOKENIZE_BYTES):
+                body, info, key = await asyncio.to_thread(_decode_and_inspect, endpoint, raw, router.cfg.max_n,
+                                                          router.tokenizer, sizes)
             else:
-                body, info = _decode_and_inspect(endpoint, raw, router.cfg.max_n)
+                body, info, key = _decode_and_inspect(endpoint, raw, router.cfg.max_n, router.tokenizer, sizes)
         except RouterError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             router.metrics.errors.labels(endpoint, "bad_request").inc()
@@ -168,7 +214,7 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
                 return error_response(429, f"{client.name!r} is over its limit of {client.tokens_per_min:g} tokens "
                                            "per minute (an estimate: prompt bytes / 4 + the most it may generate)",
                                       headers={"Retry-After": retry_after(wait)})
-        return await router.forwarder.handle(request, endpoint, body, info)
+        return await router.forwarder.handle(request, endpoint, body, info, key)
 
     return handler
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import ipaddress
+import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -73,6 +74,10 @@ class RouterConfig:
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     max_n: int = MAX_N  # samples (OpenAI n) per prompt; more is a 400 here, before any node sees it
+    # The model's tokenizer.json (or its directory): with it, cache-aware routes on token blocks
+    # and the prefills' KV events (router/kv_subscriber.py); without, on the character tree.
+    tokenizer_path: str | None = None
+    kv_events_stale_s: float = 3.0  # a KV-event subscription silent this long is lost (heartbeats: 1 s)
 
 
     def worker_allowed(self, url: str) -> bool:
@@ -183,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
                     help="a request body not in this long after its head is a 408 (default: %(default)s)")
     ap.add_argument("--max-n", type=int, default=MAX_N, help="most samples (n) per prompt (default: %(default)s)")
+    ap.add_argument("--tokenizer-path", metavar="PATH", help="the model's tokenizer.json or its directory: "
+                    "cache-aware then predicts each prefill's cache hit exactly from its KV events (without: "
+                    "a character prefix tree of the prompts it routed)")
+    ap.add_argument("--kv-events-stale-s", type=float, default=3.0, help="a prefill's KV-event subscription "
+                    "silent this long is lost; that node is routed by load until resynced (default: %(default)s)")
     return ap
 
 
@@ -203,7 +213,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                 "--health-check-timeout-s": ns.health_check_timeout_s,
                 "--load-poll-interval-s": ns.load_poll_interval_s, "--health-failure-threshold": ns.health_failure_threshold,
                 "--max-tree-chars": ns.max_tree_chars, "--max-payload-size": ns.max_payload_size,
-                "--header-timeout-s": ns.header_timeout_s, "--body-timeout-s": ns.body_timeout_s, "--max-n": ns.max_n}
+                "--header-timeout-s": ns.header_timeout_s, "--body-timeout-s": ns.body_timeout_s, "--max-n": ns.max_n,
+                "--kv-events-stale-s": ns.kv_events_stale_s}
     for flag, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
@@ -231,6 +242,11 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     for pattern in ns.worker_allow:
         if not pattern or any(c.isspace() for c in pattern):
             raise ConfigError(f"--worker-allow {pattern!r}: expected host, host:port, *.suffix or a CIDR")
+    tokenizer_path = ns.tokenizer_path
+    if tokenizer_path is not None:
+        file = tokenizer_path if os.path.isfile(tokenizer_path) else os.path.join(tokenizer_path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise ConfigError(f"--tokenizer-path {tokenizer_path}: no tokenizer.json there")
     return RouterConfig(
         host=ns.host, port=ns.port, workers=tuple(workers),
         prefill_policy=ns.prefill_policy or ns.policy, decode_policy=ns.decode_policy or ns.policy,
@@ -241,7 +257,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         log_level=ns.log_level, api_key=api_key, operator_key=operator_key, worker_allow=tuple(ns.worker_allow),
         cluster_secret=cluster_secret, ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, keys_file=ns.keys_file,
         max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
-        max_n=ns.max_n)
+        max_n=ns.max_n, tokenizer_path=tokenizer_path, kv_events_stale_s=ns.kv_events_stale_s)
 
 
 def parse_config(argv: list[str]) -> RouterConfig:

@@ -32,6 +32,7 @@ from aiohttp import web
 from router.metrics import RouterMetrics, stream_tokens
 from router.parse import RequestInfo, RouterError, bootstrap_fields
 from router.policies import Policy
+from router.prompt_key import RouteKey
 from router.rooms import Rooms
 from router.timeline import Marks, rewrite_body, rewrite_frames
 from router.workers import Worker, Workers
@@ -86,8 +87,11 @@ class Forwarder:
 
     # ---- the request ---------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo) -> web.StreamResponse:
+    async def handle(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo,
+                     key: RouteKey | None = None) -> web.StreamResponse:
+        """``key``: the prompt as token ids too (a router with a tokenizer); else its text key."""
         t0 = time.monotonic()
+        route: RouteKey | str | None = key if key is not None else info.key
         marks = Marks(arrival=t0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._cfg.request_timeout_s
@@ -99,7 +103,7 @@ class Forwarder:
                     break
                 self._metrics.retries.labels(endpoint).inc()
             try:
-                p, d = self._pick("prefill", info.key, avoid), self._pick("decode", None, avoid)
+                p, d = self._pick("prefill", route, avoid), self._pick("decode", None, avoid)
             except RouterError as exc:
                 if failure is None:
                     return self._finish(endpoint, t0, error_response(exc.status, exc.message), "no_worker")
@@ -108,9 +112,9 @@ class Forwarder:
             # The decode counts as busy for the whole request; the prefill only until it answers
             # (in _prefill): after that the request costs it nothing.
             with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
-                self._policies["prefill"].on_routed(p, info.key)
+                self._policies["prefill"].on_routed(p, route)
                 self._policies["decode"].on_routed(d, None)
-                result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline)
+                result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline, key)
             if not isinstance(result, Failure):
                 return result
             failure = result
@@ -124,7 +128,7 @@ class Forwarder:
         return self._finish(endpoint, t0, error_response(502, f"the request failed on every try: {failure.reason}"),
                             "exhausted")
 
-    def _pick(self, role: str, key: str | None, avoid: set[str]) -> Worker:
+    def _pick(self, role: str, key: RouteKey | str | None, avoid: set[str]) -> Worker:
         candidates = self._workers.candidates(role)
         if not candidates:
             raise RouterError(503, f"no healthy {role} node: the cluster cannot serve requests now")
@@ -157,7 +161,7 @@ class Forwarder:
     # ---- one try -------------------------------------------------------------------------------
 
     async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker, d: Worker,
-                   room: int, marks: Marks, deadline: float) -> web.StreamResponse | Failure:
+                   room: int, marks: Marks, deadline: float, key: RouteKey | None = None) -> web.StreamResponse | Failure:
         t0 = marks.arrival
         boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
         pbody = {**body, **boot, "stream": False}
@@ -165,7 +169,7 @@ class Forwarder:
         dbody = {**body, **boot}
         path = PATHS[endpoint]
         marks.sent = time.monotonic()
-        prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline))
+        prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline, endpoint, info, key))
         decode = asyncio.create_task(self._open(d, path, dbody))
         d_resp: aiohttp.ClientResponse | None = None
         try:
@@ -214,8 +218,14 @@ class Forwarder:
             if decode.done() and not decode.cancelled() and isinstance(decode.result(), aiohttp.ClientResponse):
                 decode.result().close()  # not read to its end (a failure, a disconnect): drop the connection
 
-    async def _prefill(self, p: Worker, path: str, body: dict, deadline: float) -> dict | list | None | Failure:
-        """The prefill node's whole answer (its KV is in the decode's pages by then), or why not."""
+    async def _prefill(self, p: Worker, path: str, body: dict, deadline: float, endpoint: str = "",
+                       info: RequestInfo | None = None, key: RouteKey | None = None) -> dict | list | None | Failure:
+        """The prefill node's whole answer (its KV is in the decode's pages by then), or why not.
+        With token ids, the tokens it must compute count as queued on it until it answers, and
+        its reported cache hit is compared with the prediction (``pdc_router_kv_predictions``)."""
+        predicted = key.predicted.get(p.url) if key is not None and key.tokens is not None else None
+        queued = len(key.tokens) - (predicted or 0) if key is not None and key.tokens is not None else 0
+        p.queued_tokens += queued
         try:
             with self._workers.busy(p):
                 async with asyncio.timeout_at(deadline), self._session.post(p.url + path, json=body) as r:
@@ -226,7 +236,16 @@ class Forwarder:
         except _CONNECTION_ERRORS as exc:
             self._workers.mark_failed(p, f"{type(exc).__name__}: {exc}")
             return Failure(f"prefill {p.url}: {type(exc).__name__}: {exc}", True, (p,))
-        return _judge("prefill", p, status, raw)
+        finally:
+            p.queued_tokens -= queued
+        answer = _judge("prefill", p, status, raw)
+        if predicted is not None and info is not None and info.sequences == 1 and not isinstance(answer, Failure):
+            reported = reported_cached_tokens(endpoint, answer)
+            if reported is not None:
+                self._metrics.prediction(predicted, reported)
+                if predicted != reported:
+                    log.debug("prefill %s: predicted %d cached tokens, it reported %d", p.url, predicted, reported)
+        return answer
 
     async def _open(self, d: Worker, path: str, body: dict) -> aiohttp.ClientResponse | Failure:
         """The decode's response once its status line is in (its body still to read), or why not."""
@@ -337,6 +356,20 @@ def _judge(role: str, w: Worker, status: int, raw: bytes) -> dict | list | None 
         return Failure(f"{role} {w.url} refused the request ({status}): {msg}", False,
                        response=web.Response(body=raw, status=status, content_type="application/json"))
     return Failure(f"{role} {w.url} answered {status}: {msg}", True, (w,))
+
+
+def reported_cached_tokens(endpoint: str, answer: object) -> int | None:
+    """The cached prompt tokens a prefill's JSON answer reports (``meta_info`` on /generate,
+    ``usage.prompt_tokens_details`` on the OpenAI routes), or None."""
+    if not isinstance(answer, dict):
+        return None
+    if endpoint == "generate":
+        value = (answer.get("meta_info") or {}).get("cached_tokens") if isinstance(answer.get("meta_info"), dict) else None
+    else:
+        usage = answer.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _merge_input_logprobs(endpoint: str, raw: bytes, prefill: object) -> bytes:

@@ -8,6 +8,19 @@
     pdc_router_request_seconds{endpoint}              arrival -> last byte to the client
     pdc_router_worker_{healthy,inflight,load,routed}{worker,role}   read from the worker set at scrape
 
+With ``--tokenizer-path`` (exact cache-aware routing, router/kv_index.py):
+
+    pdc_router_kv_events_total{worker,verdict}        KV-event frames and subscription events: applied,
+                                                      heartbeat, buffered, snapshot; dropped: malformed,
+                                                      unauthenticated, replayed; resyncs: gap, restarted;
+                                                      lost: silent, error, bad_snapshot, no_publisher
+    pdc_router_kv_picks_total{mode}                   prefill picks: exact, unsynced / no_tokens (by load)
+    pdc_router_kv_predictions_total{outcome}          single-sequence requests whose prefill reported its
+                                                      cached tokens: exact, over, under (the prediction)
+    pdc_router_kv_predicted_tokens_total              predicted cache hits (tokens) of those requests
+    pdc_router_kv_reported_cached_tokens_total        cached tokens their prefills reported
+    pdc_router_kv_index_{blocks,synced}{worker}       the index per prefill, read at scrape
+
 ``RecentLatency`` keeps the last minute of streamed requests' TTFT and TPOT per worker for the
 live page (router/dashboard.py); Prometheus users get the same from the histograms.
 """
@@ -22,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.kv_index import KVIndex
 from router.workers import Worker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,6 +61,26 @@ class _WorkerCollector(Collector):
             load.add_metric(lv, w.load)
             routed.add_metric(lv, w.routed)
         yield from (healthy, inflight, load, routed)
+
+
+class _KVCollector(Collector):
+    def __init__(self, index: KVIndex, picks: Callable[[], dict[str, int]]) -> None:
+        self._index = index
+        self._picks = picks
+
+    def collect(self) -> Iterator:
+        blocks = GaugeMetricFamily("pdc_router_kv_index_blocks", "blocks the prefill's cache holds, per the "
+                                   "router's index", labels=["worker"])
+        synced = GaugeMetricFamily("pdc_router_kv_index_synced", "1 while the index follows the prefill's "
+                                   "events", labels=["worker"])
+        for url, idx in sorted(self._index.workers.items()):
+            blocks.add_metric([url], len(idx.blocks))
+            synced.add_metric([url], float(idx.synced))
+        picks = CounterMetricFamily("pdc_router_kv_picks", "prefill picks of exact cache-aware routing by mode "
+                                    "(unsynced and no_tokens went by load)", labels=["mode"])
+        for mode, n in sorted(self._picks().items()):
+            picks.add_metric([mode], n)
+        yield from (blocks, synced, picks)
 
 
 class RecentLatency:
@@ -137,6 +171,23 @@ class RouterMetrics:
                                ["endpoint", "stage"], buckets=_STAGE_BUCKETS, registry=r)
         r.register(_WorkerCollector(workers))
         self.recent = RecentLatency()
+        self.kv_events = Counter("pdc_router_kv_events", "KV-event frames and subscription events by verdict",
+                                 ["worker", "verdict"], registry=r)
+        self.kv_predictions = Counter("pdc_router_kv_predictions", "predicted vs reported prefill cache hits",
+                                      ["outcome"], registry=r)
+        self.kv_predicted = Counter("pdc_router_kv_predicted_tokens", "predicted prefill cache hits (tokens)",
+                                    registry=r)
+        self.kv_reported = Counter("pdc_router_kv_reported_cached_tokens", "cached tokens the prefills reported "
+                                   "for the same requests", registry=r)
+
+    def watch_kv(self, index: KVIndex, picks: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_KVCollector(index, picks))
+
+    def prediction(self, predicted: int, reported: int) -> None:
+        outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
+        self.kv_predictions.labels(outcome).inc()
+        self.kv_predicted.inc(predicted)
+        self.kv_reported.inc(reported)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

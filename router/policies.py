@@ -1,18 +1,22 @@
 """Which worker gets a request: one policy for the prefill role and one for the decode role.
 
 Contract (``Policy.pick``): given the candidates — healthy, not draining, at least one — and
-the request's prompt key (text the cache-aware policy matches prefixes on; None when there is
+the request's prompt key (``RouteKey``: text and, with a tokenizer, token ids; None when there is
 none), return one of them. ``on_routed`` is told where a request went; ``forget`` that a worker
 left. A policy never blocks and never does I/O: loads are what ``Worker.load`` says now.
 """
 from __future__ import annotations
 
 import abc
+import hashlib
 import itertools
 import random
+from collections import Counter
 
 from router.config import CacheAwareConfig
+from router.kv_index import KVIndex
 from router.prefix_tree import PrefixTree
+from router.prompt_key import RouteKey
 from router.workers import Worker
 
 
@@ -71,7 +75,7 @@ class Random(Policy):
 
 
 class CacheAware(Policy):
-    """Requests sharing a prompt prefix go to the worker that saw it (its radix cache holds it),
+    """Without a tokenizer (the character tree): requests sharing a prompt prefix go to the worker that saw it (its radix cache holds it),
     unless that worker has more than ``balance_abs_threshold`` requests above the least loaded
     one; prompts no worker has seen enough of (share < ``threshold``) go to the least loaded."""
 
@@ -80,8 +84,10 @@ class CacheAware(Policy):
         self._tree = PrefixTree(cfg.max_tree_chars)
         self._rng = rng or random.Random()
 
-    def pick(self, candidates: list[Worker], key: str | None) -> Worker:
+    def pick(self, candidates: list[Worker], key: str | RouteKey | None) -> Worker:
         fallback = least_loaded(candidates, self._rng)
+        if isinstance(key, RouteKey):
+            key = key.text
         if not key:
             return fallback
         matched = self._tree.match(key)
@@ -95,7 +101,9 @@ class CacheAware(Policy):
             return fallback
         return best
 
-    def on_routed(self, worker: Worker, key: str | None) -> None:
+    def on_routed(self, worker: Worker, key: str | RouteKey | None) -> None:
+        if isinstance(key, RouteKey):
+            key = key.text
         if key:
             self._tree.insert(key, worker.url)
 
@@ -103,7 +111,59 @@ class CacheAware(Policy):
         self._tree.remove_worker(url)
 
 
-def make_policy(name: str, cache: CacheAwareConfig) -> Policy:
+class ExactCacheAware(Policy):
+    """With a tokenizer and the nodes' KV events (router/kv_index.py): the worker that must compute
+    the fewest tokens for this prompt, counting what it has queued.
+
+    Among the candidates whose load is within ``balance_abs_threshold`` requests of the least
+    loaded one, pick the minimum of ``(prompt tokens - predicted cached tokens) + queued tokens``
+    (queued: the uncached tokens of this router's requests the worker has not answered yet), ties
+    by load, then by a hash of (worker URL, the prompt's first block): rendezvous hashing, so cold
+    prompts spread over idle workers instead of herding on one, and a prompt's later turns find
+    the same order. No randomness: two routers with the same index and the same loads choose
+    alike. A request without token ids, or a candidate whose index is not in sync (its
+    subscription is starting, lost or resyncing), is routed by load alone (least loaded, ties by
+    URL): a prediction from a stale index would be a guess.
+    """
+
+    def __init__(self, cfg: CacheAwareConfig, index: KVIndex) -> None:
+        self._cfg = cfg
+        self._index = index
+        self.picks: Counter[str] = Counter()  # by mode: exact, no_tokens, unsynced (a metric)
+
+    def pick(self, candidates: list[Worker], key: str | RouteKey | None) -> Worker:
+        by_load = min(candidates, key=lambda w: (w.load, w.url))
+        if isinstance(key, RouteKey):
+            key.predicted.clear()  # a retry's pick: only this one's predictions count
+        if not isinstance(key, RouteKey) or key.tokens is None:
+            self.picks["no_tokens"] += 1
+            return by_load
+        indexes = [self._index.synced(w.url) for w in candidates]
+        if any(idx is None for idx in indexes):
+            self.picks["unsynced"] += 1
+            return by_load
+        n = len(key.tokens)
+        best: tuple[int, int, int, str] | None = None
+        choice = by_load
+        for w, idx in zip(candidates, indexes):
+            assert idx is not None
+            if w.load - by_load.load > self._cfg.balance_abs_threshold:
+                continue
+            hit = idx.matched_blocks(key.hashes(idx.block_size)) * idx.block_size
+            key.predicted[w.url] = hit
+            rank = (n - hit + w.queued_tokens, w.load, rendezvous(w.url, key.salt()), w.url)
+            if best is None or rank < best:
+                best, choice = rank, w
+        self.picks["exact"] += 1
+        return choice
+
+
+def rendezvous(url: str, salt: int) -> int:
+    """A worker's deterministic, per-prompt tie-break rank (the same in every router)."""
+    return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8, key=salt.to_bytes(8, "little")).digest(), "little")
+
+
+def make_policy(name: str, cache: CacheAwareConfig, index: KVIndex | None = None) -> Policy:
     if name == "least-loaded":
         return LeastLoaded()
     if name == "power-of-two":
@@ -113,5 +173,5 @@ def make_policy(name: str, cache: CacheAwareConfig) -> Policy:
     if name == "random":
         return Random()
     if name == "cache-aware":
-        return CacheAware(cache)
+        return CacheAware(cache) if index is None else ExactCacheAware(cache, index)
     raise ValueError(f"unknown policy {name!r}")

@@ -158,6 +158,9 @@ class NodeIO:
                 return dict(self._stats.memory())
             if what == "metrics":
                 return dict(self._stats.metrics())
+            if what == "kv_snapshot":  # only a node whose prefix cache publishes KV events has it
+                snapshot = getattr(self._stats, "kv_snapshot", None)
+                return {"error": "this node publishes no KV events"} if snapshot is None else dict(snapshot())
             return {"error": f"unknown query {what!r}"}
         except Exception as exc:  # a stats bug must not stop the scheduler loop
             log.exception("answering the %s query failed", what)

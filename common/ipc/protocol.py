@@ -50,6 +50,8 @@ Contract for scheduler authors
       - ``"metrics"``: flat ``{name: number}``; each becomes a Prometheus gauge
         ``pdc_scheduler_<name>``. Expected names: ``num_running_reqs``, ``num_waiting_reqs``,
         ``num_transfer_reqs``, ``token_usage`` (0..1), ``gen_throughput`` (tokens/s).
+      - ``"kv_snapshot"``: the prefix cache's ``KVSnapshot`` (common/kv_events.py) as plain data,
+        or ``{"error": ...}`` on a node that publishes no KV events.
 ``BatchOutput``
     Everything new since the last step for any number of requests. A ``ReqOutput`` carries only
     *new* tokens; ``finish`` is set on the last one for that rid, after which the rid is never
@@ -109,7 +111,7 @@ class FlushCacheReq(msgspec.Struct, tag="flush_cache", **_STRUCT_OPTS):
 
 class QueryReq(msgspec.Struct, tag="query", **_STRUCT_OPTS):
     query_id: str
-    what: Literal["load", "memory", "metrics"]
+    what: Literal["load", "memory", "metrics", "kv_snapshot"]
 
 
 ToScheduler = GenerateReq | AbortReq | FlushCacheReq | QueryReq

@@ -57,14 +57,23 @@ deeper part, so a handle held by a request still names the same path. Nodes carr
 tick of the last match/insert that reached them; eviction takes the least recently used
 unlocked leaf and trims it from its tail so exactly the requested number of pages is freed.
 Not thread-safe: the scheduler loop owns it.
+
+KV events: with ``events`` set (``common/kvcache/kv_event_log.py``), every page that joins a tree
+edge is reported as stored (after the page before it on its path), every page the cache frees as
+removed, and ``reset`` as cleared: a subscriber mirrors exactly which blocks are cached.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
 from common.kvcache.allocator import KVAccountingError, PageAllocator
 from common.kvcache.radix_node import MatchResult, RadixNode
+
+if TYPE_CHECKING:
+    from common.kvcache.kv_event_log import KVEventLog
 
 
 class RadixCache:
@@ -81,6 +90,7 @@ class RadixCache:
         self.root = RadixNode(next(self._ids), [], [], None, 0)
         self._total = 0  # pages on tree edges
         self._protected = 0  # pages on locked edges
+        self.events: KVEventLog | None = None  # set before the first insert, or it misses pages
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -164,6 +174,8 @@ class RadixCache:
             for page in new_pages:
                 self._owned[page] = 1
             self._total += len(new_pages)
+            if self.events is not None:
+                self.events.stored(cached_pages[-1] if cached_pages else None, new_pages, leaf.key)
         return cached_tokens
 
     # -- request protocol helpers -----------------------------------------------------------
@@ -254,6 +266,8 @@ class RadixCache:
             del parent.children[self._edge_key(leaf.key)]
             leaf.evicted = True
             self.allocator.free(leaf.pages)
+            if self.events is not None:
+                self.events.removed(leaf.pages)
             for page in leaf.pages:
                 self._owned[page] = 0
             self._total -= len(leaf.pages)
@@ -291,13 +305,19 @@ class RadixCache:
         if any(n.lock_ref for n in nodes):
             return False
         self.root.children.clear()
-        self._drop(nodes)
+        self._drop(nodes, everything=True)
         return True
 
-    def _drop(self, nodes: list[RadixNode]) -> int:
-        """Free the pages of ``nodes``, already unlinked from the tree and unlocked. Pages freed."""
+    def _drop(self, nodes: list[RadixNode], everything: bool = False) -> int:
+        """Free the pages of ``nodes``, already unlinked from the tree and unlocked (``everything``:
+        the whole tree, reported as cleared). Pages freed."""
         pages = [p for n in nodes for p in n.pages]
         self.allocator.free(pages)
+        if self.events is not None:
+            if everything:
+                self.events.cleared()
+            elif pages:
+                self.events.removed(pages)
         for page in pages:
             self._owned[page] = 0
         for n in nodes:

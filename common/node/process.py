@@ -111,6 +111,7 @@ class NodeProcess:
         from common.tokenizer import Tokenizer
 
         self.role, self.group = part.role, group
+        self._part = part
         self.sync = StepSync(group)
         self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), cfg.attention, tp=group)
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
@@ -128,6 +129,7 @@ class NodeProcess:
                 self.manager.set_state_listener(self.io.wake)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
+            self._close_part()
             raise
         mem = self.runner.memory
         self._ready = {"max_total_tokens": mem.allocator.num_total * mem.page_size, **part.ready_info()}
@@ -149,7 +151,13 @@ class NodeProcess:
         self.manager.close()
         if self.io is not None:
             self.io.close()
+        self._close_part()
         self.group.close()
+
+    def _close_part(self) -> None:
+        close_part = getattr(self._part, "close", None)  # what a role opened beside the manager
+        if close_part is not None:
+            close_part()
 
 
 class LoopIO(Protocol):

@@ -1,5 +1,5 @@
-"""Scheduler queries and control: ``GET /get_load``, ``/debug/memory``, ``/metrics``;
-``GET|POST /flush_cache``; ``POST /abort_request``.
+"""Scheduler queries and control: ``GET /get_load``, ``/debug/memory``, ``/metrics``,
+``/kv_events/snapshot``; ``GET|POST /flush_cache``; ``POST /abort_request``.
 
 Queries wait at most ``cfg.query_timeout_s`` for the scheduler; a scheduler that does not answer
 (or is gone) is a 503, except on ``/metrics``, which then renders the API process's own series and
@@ -34,6 +34,15 @@ def register(app: FastAPI, ctx: AppContext) -> None:
     @app.get("/debug/memory")
     async def debug_memory() -> dict:
         return await ask("memory")
+
+    @app.get("/kv_events/snapshot")
+    async def kv_snapshot() -> Response:
+        """The prefix cache's blocks and the KV-event seq they include (docs/PROTOCOL.md §7): a
+        subscriber's starting point. Answered between two scheduler steps, so it is exact."""
+        snap = await ask("kv_snapshot")
+        if "error" in snap:
+            return error_response(404, str(snap["error"]))
+        return JSONResponse(snap)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -65,6 +65,10 @@ def test_network_policy_admits_only_the_router_and_the_other_nodes(overlay: Path
     router = _pod_labels(r.by_kind["Deployment"]["router"])
     node_labels = {role: _pod_labels(sts) for role, (sts, *_rest) in nodes.items()}
     http_ports = {ns.port for (_s, _c, ns, _e) in nodes.values()}
+    # The router also subscribes to the prefills' KV events (exact cache-aware routing), on the
+    # fixed --kv-events-port the manifests give them.
+    kv_ports = {getattr(ns, "kv_events_port", 0) for (_s, _c, ns, _e) in nodes.values()} - {0}
+    assert kv_ports, "the prefills' KV-event port must be fixed for the policy to admit the router there"
     policies = list(r.by_kind.get("NetworkPolicy", {}).values())
     for role, labels in node_labels.items():
         mine = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
@@ -81,8 +85,8 @@ def test_network_policy_admits_only_the_router_and_the_other_nodes(overlay: Path
                     assert admits_router or admits_nodes == {True}, f"{peer} admits neither the router nor the nodes"
                     assert not _selects(peer["podSelector"], {"app.kubernetes.io/name": "pdcluster"}), \
                         "a peer selector that admits any pdcluster pod (or any pod)"
-                    if admits_router and admits_nodes != {True}:  # the router: the HTTP ports only
-                        assert {p["port"] for p in rule.get("ports", [])} == http_ports, rule
+                    if admits_router and admits_nodes != {True}:  # the router: the HTTP and KV-event ports only
+                        assert {p["port"] for p in rule.get("ports", [])} == http_ports | kv_ports, rule
     # and the selectors really admit what the cluster needs: router -> HTTP, node <-> node everything
     rules = [rule for p in policies if _selects(p["spec"]["podSelector"], node_labels["decode"])
              for rule in p["spec"]["ingress"]]

@@ -46,6 +46,11 @@ def exported() -> tuple[set[str], set[str]]:
     router.ttft.labels("generate").observe(0.1)
     router.latency.labels("generate").observe(0.2)
     router.stage.labels("generate", "decode.kv_transfer").observe(0.01)
+    router.kv_events.labels("http://p:1", "applied").inc()
+    router.prediction(16, 16)
+    from router.kv_index import KVIndex
+
+    router.watch_kv(KVIndex(), lambda: {"exact": 1})
     api = ApiMetrics("decode", "m")
     api.on_request("generate", 200)
     api.on_sequence(16, 0, {"prealloc": 1.0})

@@ -28,9 +28,11 @@ ALLOWED = {
     "router": {"common"},
 }
 # The router and the registry are light processes: of common they use only these (no torch).
-# common.pd_contract is the router <-> node contract (stdlib only), shared rather than copied.
+# common.pd_contract is the router <-> node contract (stdlib only), shared rather than copied;
+# common.kv_events the KV events' format and block hashes (msgspec), common.frame_auth their seal.
 NARROW = {
-    "router": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body", "common.pd_contract"},
+    "router": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body", "common.pd_contract",
+               "common.kv_events", "common.frame_auth"},
     "bootstrap_server": {"common", "common.envs", "common.auth", "common.http_limits", "common.aio_body"},
 }
 # The command-line tools in common/tools/ are programs on top of the packages, not part of one:
