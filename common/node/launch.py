@@ -312,7 +312,7 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
                                                       "max_total_tokens": info["max_total_tokens"],
                                                       "scheduler_pid": info["pid"], "cpu": info["cpu"],
                                                       "tp_size": cfg.parallel.tp_size,
-                                                      "scheduler_rank_pids": info["rank_pids"]})
+                                                      "scheduler_rank_pids": info["rank_pids"],
                                                       # where its KV events are published (docs/PROTOCOL.md §7)
                                                       **({"kv_events": info["kv_events"]} if "kv_events" in info else {})})
         run_api_server(api_cfg, endpoints, scheduler_alive=child.alive)
