@@ -5,7 +5,8 @@ Stable API (``url`` is ``"host:port"`` or ``"http://host:port"``; ``bootstrap_ur
     register_rank(url, info: RankInfo, timeout_s=5.0, *, secret=None) -> None       # PUT /route
     lookup_rank(url, engine_rank, dp_group, timeout_s=5.0, *, pp_rank=0,
                 retry_interval_s=0.1, secret=None) -> RankInfo                        # GET /route
-    lookup_layout(url, timeout_s=5.0, *, retry_interval_s=0.1, secret=None) -> PrefillLayout
+    lookup_layout(url, timeout_s=5.0, *, retry_interval_s=0.1, secret=None,
+                  complete=False) -> PrefillLayout                                  # every rank in
     deregister(url, engine_rank, dp_group, *, pp_rank=0, instance_id=None,
                timeout_s=5.0, secret=None) -> bool                                    # DELETE /route
     list_ranks(url, timeout_s=5.0, *, secret=None) -> list[RankInfo]                  # GET /routes
@@ -178,10 +179,25 @@ def lookup_rank(
 
 
 def lookup_layout(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, retry_interval_s: float = 0.1,
-                  secret: str | None = None) -> PrefillLayout:
-    """The prefill node's parallel and KV layout, waiting up to ``timeout_s`` for a first rank."""
+                  secret: str | None = None, complete: bool = False) -> PrefillLayout:
+    """The prefill node's parallel and KV layout, waiting up to ``timeout_s`` for a first rank.
+
+    ``complete``: wait (within the same ``timeout_s``) until every rank of the node registered,
+    and raise ``RankNotRegistered`` saying how many did if they do not: a decode that picked its
+    source ranks from a half-registered node would wait for ranks that may never come."""
     target = f"{_base(url)}/route?{_route_query(-1, -1, None)}"
-    return _get_retrying_404(target, PrefillLayout, timeout_s, retry_interval_s, secret)
+    deadline = time.monotonic() + timeout_s
+    interval = retry_interval_s
+    while True:
+        layout = _get_retrying_404(target, PrefillLayout, max(deadline - time.monotonic(), 0.0), retry_interval_s, secret)
+        if not complete or layout.complete:
+            return layout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RankNotRegistered(f"prefill layout incomplete: {layout.registered_ranks} of {layout.expected_ranks} "
+                                    f"ranks registered (gave up after {timeout_s:g}s)", url=target, status=404)
+        time.sleep(min(interval, left))
+        interval = min(interval * 2, _MAX_RETRY_INTERVAL_S)
 
 
 def deregister(

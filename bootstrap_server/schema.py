@@ -7,7 +7,12 @@ for that layout once (``PrefillLayout``) and runs ``check_receivable`` on it, so
 receive from fails at lookup time with a message naming the fields, instead of hanging per request.
 
 ``num_kv_heads`` and ``head_dim`` are what one rank holds (after TP sharding), i.e. the shape of its
-KV pool rows ``[num_pages * page_size, num_kv_heads, head_dim]``. ``num_layers`` is the number of
+KV pool rows ``[num_pages * page_size, num_kv_heads, head_dim]``. ``total_kv_heads`` is the model's
+KV head count and ``kv_head_start`` the rank's first head, both registered as they are (never
+back-computed from ``num_kv_heads x tp_size``, which is wrong under GQA replication); the registry
+checks them against the pool contract (``bootstrap_server.heads``). A decode of another TP size
+receives head slices (docs/TRANSFER.md §11); ``kv_staging`` says whether the rank can gather a
+head slice into a registered staging buffer, which that needs. ``num_layers`` is the number of
 layers in the model; pipeline stages split them the same way on both sides, which is why
 ``check_receivable`` requires equal ``pp_size``.
 
@@ -25,6 +30,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from bootstrap_server.errors import LayoutMismatch
+from bootstrap_server.heads import check_tp_pair, rank_heads
 
 # Upper bounds only catch garbage (a pointer sent as a page size); no real model is near them.
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -45,8 +51,10 @@ LAYOUT_FIELDS: tuple[str, ...] = (
     "kv_dtype",
     "num_layers",
     "num_kv_heads",
+    "total_kv_heads",
     "head_dim",
     "transfer_backend",
+    "kv_staging",
     "state_shapes",
     "state_dtype",
 )
@@ -97,6 +105,11 @@ class RankInfo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     state_dtype: KVDtype | None = None
     session_id: Name | None = None
     instance_id: Name | None = None
+    # The model's KV heads and this rank's first one (None: an older rank that did not say; only
+    # a decode of the same TP size and per-rank shape can receive from it).
+    total_kv_heads: Dim | None = None
+    kv_head_start: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None = None
+    kv_staging: bool = False  # can gather head slices (serves a decode of another TP size)
 
     def __post_init__(self) -> None:
         # Cross-field rules; msgspec turns these into ValidationError when decoding a body.
@@ -110,6 +123,18 @@ class RankInfo(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
             raise ValueError(f"page_size {self.page_size} must be a power of two")
         if bool(self.state_shapes) != (self.state_dtype is not None):
             raise ValueError("state_shapes and state_dtype come together (a hybrid model) or not at all")
+        if (self.total_kv_heads is None) != (self.kv_head_start is None):
+            raise ValueError("total_kv_heads and kv_head_start come together or not at all")
+        if self.total_kv_heads is not None:
+            try:
+                heads = rank_heads(self.tp_size, self.total_kv_heads, self.engine_rank)
+            except LayoutMismatch as exc:
+                raise ValueError(str(exc)) from None
+            if (heads.first, heads.count) != (self.kv_head_start, self.num_kv_heads):
+                raise ValueError(
+                    f"kv_head_start {self.kv_head_start} / num_kv_heads {self.num_kv_heads}: rank {self.engine_rank} "
+                    f"of tp_size {self.tp_size} with total_kv_heads {self.total_kv_heads} holds heads "
+                    f"{heads.first}..{heads.first + heads.count - 1}")
         _check_rank_ip(self.rank_ip)
 
     @property
@@ -141,6 +166,8 @@ class PrefillLayout(msgspec.Struct, kw_only=True, frozen=True):
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_dtype: str | None = None
     registered_ranks: int = 0
+    total_kv_heads: int | None = None  # None: an older prefill that did not register it
+    kv_staging: bool = False
 
     @property
     def expected_ranks(self) -> int:
@@ -195,13 +222,21 @@ class DecodeLayout(msgspec.Struct, kw_only=True, frozen=True):
     transfer_backend: str | None = None
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_dtype: str | None = None
+    total_kv_heads: int | None = None  # None: tp_size 1 (then it is num_kv_heads)
+    kv_staging: bool = False  # can scatter head slices from a registered staging area
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.num_kv_heads if self.total_kv_heads is None else self.total_kv_heads
 
     @classmethod
     def from_kv_layout(
         cls, layout: _KVLayoutLike, *, tp_size: int, pp_size: int = 1, transfer_backend: str | None = None,
-        state: _StateLayoutLike | None = None,
+        state: _StateLayoutLike | None = None, total_kv_heads: int | None = None, kv_staging: bool = False,
     ) -> DecodeLayout:
         return cls(
+            total_kv_heads=total_kv_heads,
+            kv_staging=kv_staging,
             tp_size=tp_size,
             pp_size=pp_size,
             page_size=layout.page_size,
@@ -223,10 +258,14 @@ def state_shapes(state: _StateLayoutLike | None) -> tuple[tuple[int, ...], ...]:
 def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
     """Raise ``LayoutMismatch`` naming every field that stops ``decode`` receiving ``prefill``'s KV.
 
-    Supported mapping: equal TP sizes (decode rank r receives from prefill rank r of the chosen
-    dp group; any prefill ``dp_size`` works since one dp group serves a request) and equal PP
-    sizes. Pages are copied byte for byte, so page size, dtype, layer count and the per-rank
-    ``num_kv_heads x head_dim`` row shape must all be equal, and so must the state layout. Backends must be equal when both
+    Supported: equal PP sizes; TP sizes equal, or one a multiple of the other (decode rank ``d``
+    then receives each of its heads from one prefill rank that holds it, ``transfer.tp_map``);
+    any prefill ``dp_size`` (one dp group serves a request). Bytes are copied as they are, so page
+    size, dtype, layer count and head_dim must be equal, and both sides must count the same
+    model KV heads. Unequal TP moves head slices through staging buffers (the prefill gathers
+    when it holds more heads than it sends, the decode scatters when it holds more than one
+    source sends): the side that must do so needs ``kv_staging``. Per-request recurrent state is
+    per rank and sent whole, so it crosses only equal TP sizes. Backends must be equal when both
     sides name one.
     """
     problems: list[str] = []
@@ -234,8 +273,6 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
     def differ(name: str, p: object, d: object, why: str = "") -> None:
         problems.append(f"{name}: prefill {p}, decode {d}" + (f" ({why})" if why else ""))
 
-    if prefill.tp_size != decode.tp_size:
-        differ("tp_size", prefill.tp_size, decode.tp_size, "only equal TP sizes are supported")
     if prefill.pp_size != decode.pp_size:
         differ("pp_size", prefill.pp_size, decode.pp_size, "only equal PP sizes are supported")
     if prefill.page_size != decode.page_size:
@@ -244,12 +281,16 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
         differ("kv_dtype", prefill.kv_dtype, decode.kv_dtype)
     if prefill.num_layers != decode.num_layers:
         differ("num_layers", prefill.num_layers, decode.num_layers)
-    if (prefill.num_kv_heads, prefill.head_dim) != (decode.num_kv_heads, decode.head_dim):
-        differ(
-            "num_kv_heads x head_dim per rank",
-            f"{prefill.num_kv_heads}x{prefill.head_dim}",
-            f"{decode.num_kv_heads}x{decode.head_dim}",
-        )
+    if prefill.head_dim != decode.head_dim:
+        differ("head_dim", prefill.head_dim, decode.head_dim)
+    if prefill.tp_size == decode.tp_size:
+        if prefill.num_kv_heads != decode.num_kv_heads:
+            differ("num_kv_heads x head_dim per rank", f"{prefill.num_kv_heads}x{prefill.head_dim}",
+                   f"{decode.num_kv_heads}x{decode.head_dim}")
+        if prefill.total_kv_heads is not None and prefill.total_kv_heads != decode.model_kv_heads:
+            differ("total_kv_heads", prefill.total_kv_heads, decode.model_kv_heads)
+    else:
+        problems.extend(_tp_problems(prefill, decode))
     if tuple(map(tuple, prefill.state_shapes)) != tuple(map(tuple, decode.state_shapes)):
         differ("state_shapes (per-request recurrent state)", _shapes(prefill.state_shapes), _shapes(decode.state_shapes))
     if prefill.state_dtype != decode.state_dtype:
@@ -258,6 +299,34 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
         differ("transfer_backend", prefill.transfer_backend, decode.transfer_backend)
     if problems:
         raise LayoutMismatch("decode cannot receive this prefill's KV cache: " + "; ".join(problems))
+
+
+def _tp_problems(prefill: PrefillLayout, decode: DecodeLayout) -> list[str]:
+    """Why unequal TP sizes cannot be served (empty: they can)."""
+    pt, dt = prefill.tp_size, decode.tp_size
+    if prefill.total_kv_heads is None:
+        return [f"total_kv_heads: the prefill did not register it (tp_size {pt}), so a decode of tp_size {dt} "
+                "cannot tell which heads each rank holds"]
+    if prefill.total_kv_heads != decode.model_kv_heads:
+        return [f"total_kv_heads: prefill {prefill.total_kv_heads}, decode {decode.model_kv_heads}"]
+    total = prefill.total_kv_heads
+    try:
+        check_tp_pair(pt, dt)
+        p_heads = rank_heads(pt, total, 0, side="prefill ").count
+        d_heads = rank_heads(dt, total, 0, side="decode ").count
+    except LayoutMismatch as exc:
+        return [str(exc)]
+    problems = []
+    if prefill.state_shapes:
+        problems.append(f"state_shapes: per-rank recurrent state cannot be resharded from tp_size {pt} to {dt}")
+    # Each source slice has min(p_heads, d_heads) heads: the side holding more gathers or scatters.
+    if p_heads > d_heads and not prefill.kv_staging:
+        problems.append(f"kv_staging: prefill ranks hold {p_heads} heads and send {d_heads}, which needs a staging buffer; "
+                        "the prefill has none")
+    if d_heads > p_heads and not decode.kv_staging:
+        problems.append(f"kv_staging: decode ranks hold {d_heads} heads and receive {p_heads} per source, which needs a "
+                        "staging area; the decode has none")
+    return problems
 
 
 def _shapes(shapes: tuple[tuple[int, ...], ...]) -> str:

@@ -4,11 +4,21 @@
 KV buffers come in transfer order (K of layer 0..L-1, then V of layer 0..L-1; see
 ``common.kvcache.pool.KVPool.buffers``); item j of every KV buffer is page j. State buffers (hybrid
 models: one per convolution layer, ``common.kvcache.state_pool``) have slot j as item j.
+
+Tensor parallelism: ``tp_rank``/``tp_size`` and ``total_kv_heads`` (the model's KV heads, given,
+never back-computed) say which heads this rank's pool holds (``bootstrap_server.heads``). Between
+unequal TP sizes a rank moves head slices, which are not contiguous in a token-major page, through
+a staging buffer (``transfer.staging``): for that the manager needs the pool tensors themselves
+(``kv_tensors``, the same buffers as ``kv``) and ``staging_pages`` of room. Equal TP never stages.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from bootstrap_server.errors import LayoutMismatch
+from bootstrap_server.heads import RankHeads, rank_heads
 from common.kvcache.pool import KVLayout, KVPool
 from common.kvcache.state_pool import StateLayout, StatePool
 from transfer.aux import aux_row_dtype
@@ -32,14 +42,60 @@ class KVArgs:
     dp_rank: int = 0
     dp_size: int = 1
     host: str = "127.0.0.1"  # address peers reach this rank's control and data planes on
+    # The model's KV heads; None only at tp_size 1, where it is the pool's own head count.
+    total_kv_heads: int | None = None
+    # The KV buffers as tensors (transfer order, the memory ``kv`` points at): staging gathers
+    # from and scatters into them. Empty: this rank cannot stage (equal TP only).
+    kv_tensors: tuple[torch.Tensor, ...] = ()
+    # Staging room, in pages of this rank's KV (all layers, K and V): per transfer worker on a
+    # prefill (a larger chunk goes in pieces), the shadow area rooms take pages from on a decode
+    # (as many as the pool's pages never runs out). 0: no staging.
+    staging_pages: int = 0
 
     def __post_init__(self) -> None:
+        if self.total_kv_heads is None:
+            if self.tp_size != 1:
+                raise ValueError(f"total_kv_heads is required at tp_size {self.tp_size} (never back-computed)")
+            object.__setattr__(self, "total_kv_heads", self.layout.num_kv_heads)
+        try:
+            heads = self.heads
+        except LayoutMismatch as exc:
+            raise ValueError(str(exc)) from None
+        if heads.count != self.layout.num_kv_heads:
+            raise ValueError(f"rank {self.tp_rank} of tp_size {self.tp_size} with {self.total_kv_heads} KV heads holds "
+                             f"{heads.count}, but its pool has {self.layout.num_kv_heads}")
+        if self.kv_tensors:
+            if tuple(t.data_ptr() for t in self.kv_tensors) != self.kv.ptrs:
+                raise ValueError("kv_tensors must be the tensors the KV buffers point at, in transfer order")
+            lay = self.layout
+            want = (lay.page_size, lay.num_kv_heads, lay.head_dim)
+            if any(not t.is_contiguous() or t.dim() != 3 or t.shape[0] % lay.page_size or tuple(t.shape[1:]) != want[1:]
+                   for t in self.kv_tensors):
+                raise ValueError(f"kv_tensors must be contiguous [slots, {lay.num_kv_heads}, {lay.head_dim}] pool buffers")
+        if self.staging_pages < 0:
+            raise ValueError(f"staging_pages must be >= 0, got {self.staging_pages}")
         if len(self.aux) and set(self.aux.item_nbytes) != {aux_row_dtype(self.aux_top_k).itemsize}:
             raise ValueError(f"aux rows of {self.aux.item_nbytes} bytes do not match aux_top_k={self.aux_top_k}")
         if len(self.kv) != 2 * self.layout.num_layers:
             raise ValueError(f"{len(self.kv)} KV buffers for {self.layout.num_layers} layers (want K and V per layer)")
         if len(self.state) != (0 if self.state_layout is None else self.state_layout.num_layers):
             raise ValueError(f"{len(self.state)} state buffers for state layout {self.state_layout}")
+
+    @property
+    def heads(self) -> RankHeads:
+        """The global KV heads this rank's pool holds."""
+        assert self.total_kv_heads is not None  # set by __post_init__
+        return rank_heads(self.tp_size, self.total_kv_heads, self.tp_rank)
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether this rank can move head slices (serve or receive another TP size)."""
+        return bool(self.kv_tensors) and self.staging_pages > 0
+
+    @property
+    def page_unit_nbytes(self) -> int:
+        """Bytes of one staging page: one KV page of this rank in every buffer."""
+        return sum(self.kv.item_nbytes)
 
     @staticmethod
     def kv_from_pool(pool: KVPool) -> BufferSet:

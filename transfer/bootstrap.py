@@ -34,7 +34,8 @@ class HttpBootstrapClient:
                           instance_id=info.instance_id, timeout_s=min(self.timeout_s, 1.0), secret=self.secret)
 
     def lookup_layout(self, url: str) -> PrefillLayout:
-        return client.lookup_layout(url, timeout_s=self.lookup_timeout_s, secret=self.secret)
+        # complete: a decode picks its source ranks from the layout, so it waits for all of them
+        return client.lookup_layout(url, timeout_s=self.lookup_timeout_s, secret=self.secret, complete=True)
 
     def lookup_rank(self, url: str, engine_rank: int, dp_group: int) -> RankInfo:
         return client.lookup_rank(url, engine_rank, dp_group, timeout_s=self.lookup_timeout_s, secret=self.secret)

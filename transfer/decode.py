@@ -14,7 +14,8 @@ Room lifecycle on this side::
     create_receiver(room, addr)   Bootstrapping     (connect thread resolves the prefill rank)
     resolved + registered         WaitingForInput   (scheduler may reserve pages, then init())
     init(): TransferInfo sent     Transferring
-    TransferStatus(Success)       Success           (KV and aux row have landed)
+    TransferStatus(Success)       Success           (KV and aux row have landed; from every
+                                                     source rank, then staged slices scattered)
     failure                       Failed
 
 Fence: once TransferInfo is out, the prefill may write into the room's pages, so this side
@@ -25,6 +26,13 @@ waits for that answer. A dead-declared rank whose port still accepts (hung, or h
 unreachable) keeps its rooms' pages quarantined for ``hung_peer_quarantine_s`` first. A room
 still unanswered at its fence deadline fails to its client but is *fenced* (``transfer.fenced``):
 ``fenced()`` stays True, and its pages must stay out of the pools, until a write is impossible.
+
+Tensor parallelism: one manager per decode rank. A room links the rank to every prefill rank it
+sends a TransferInfo to (``transfer.peers.Links``: its sources, and unused replicas it tells there
+is nothing to send); the rules above hold per source: Success needs every source's Success, and a
+failure (any rank's Failed, a local abort, a dead rank) aborts the others and reports Failed only
+once every source answered or is proven gone. Head slices that land in the staging area
+(``transfer.staging``) are copied into the room's pages before it reports Success.
 
 Parts, composed here::
 
@@ -43,6 +51,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import zmq
+from bootstrap_server.errors import LayoutMismatch
 from bootstrap_server.schema import DecodeLayout
 
 from transfer import messages as m, wire
@@ -59,6 +68,7 @@ from transfer.handles import DecodeKVReceiver
 from transfer.peers import PeerCache
 from transfer.poll import KVPoll
 from transfer.rooms import DecodeRoom, RoomTable
+from transfer.staging import StagingArea
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
 log = logging.getLogger(__name__)
@@ -78,11 +88,17 @@ class DecodeKVManager:
         self.args, self.engine, self.config = args, engine, config
         self.instance_id = uuid.uuid4().hex
         layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name,
-                                             state=args.state_layout)
+                                             state=args.state_layout, total_kv_heads=args.total_kv_heads,
+                                             kv_staging=args.can_stage)
         self._rooms: RoomTable[DecodeRoom] = RoomTable()
         self._lock = self._rooms.lock
         self._peers = PeerCache(self._lock, with_cluster_secret(bootstrap, config.cluster_secret), layout, args.tp_rank)
-        self._fenced = FencedRooms()
+        # Where head slices from a prefill of another TP size land (transfer.staging); a fenced
+        # room keeps its staging pages until the fence lifts.
+        self._staging = (StagingArea(args.staging_pages, args.page_unit_nbytes, args.kv_tensors[0].device)
+                         if args.can_stage else None)
+        self._held_staging: dict[int, list[tuple[int, int]]] = {}  # fenced room -> its staging extents
+        self._fenced = FencedRooms(on_released=self._release_staging)
         self._stop = threading.Event()
         # Rooms to connect, or (room, bootstrap addr, reason, only if not live here): tell a
         # prefill we could not reach yet that the room was aborted or refused, so its sender
@@ -92,8 +108,10 @@ class DecodeKVManager:
         self._push = PushSockets(self._ctx, control_auth(config.cluster_secret))
         self._pull, port = bind_pull(self._ctx, args.host)
         self.status_endpoint = f"tcp://{args.host}:{port}"
+        staging_mem = [] if self._staging is None else [(self._staging.buf.data_ptr(), self._staging.buf.numel())]
+        self._staging_area = staging_mem[0] if staging_mem else (0, 0)
         try:
-            for ptr, nbytes in args.all_buffers():
+            for ptr, nbytes in [*args.all_buffers(), *staging_mem]:
                 engine.register(ptr, nbytes)
         except Exception as exc:
             self._pull.close(linger=0)
@@ -101,7 +119,7 @@ class DecodeKVManager:
             self._ctx.term()
             raise TransferError(f"decode transfer manager failed to start: {exc}") from exc
         self._liveness = DecodeLiveness(config, self._rooms, self._peers, self._fenced, self._push, engine.session_id,
-                                        self.status_endpoint)
+                                        self.status_endpoint, self._rank_failed_locked)
         self._threads = [
             threading.Thread(target=self._connect_loop, name="pdc-decode-connect", daemon=True),
             threading.Thread(
@@ -158,6 +176,11 @@ class DecodeKVManager:
         """Rooms failed to their client whose pages stay held until the peer cannot write."""
         return len(self._fenced)
 
+    def staging_pages_in_use(self) -> int:
+        """Staging pages held by rooms (live or fenced); 0 when idle or without staging."""
+        with self._lock:
+            return 0 if self._staging is None else self._staging.pages - self._staging.free_pages()
+
     # --- receiver-facing (transfer.handles.ReceiverActions) ------------------------------------
     def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int],
                   prompt_digest: str = "") -> None:
@@ -165,21 +188,32 @@ class DecodeKVManager:
             r = self._rooms.get(room)
             if r is None or r.status.terminal or r.pending_fail is not None:
                 return  # failed meanwhile: the caller sees it at its next poll
-            if r.status is not KVPoll.WaitingForInput or r.endpoint is None:
+            if r.status is not KVPoll.WaitingForInput or not r.resolved:
                 raise TransferError(f"init() in state {r.status.name}; wait for WaitingForInput", room)
-            info = m.TransferInfo(
+            dst_pages = index_list(pages)
+            if r.scatter:
+                extents = None if self._staging is None else self._staging.alloc(len(dst_pages))
+                if extents is None:
+                    free = 0 if self._staging is None else self._staging.free_pages()
+                    self._rooms.advance_locked(r, KVPoll.Failed, f"decode staging full: {len(dst_pages)} pages wanted, "
+                                                                 f"{free} free (size staging_pages to the KV pool)")
+                    return
+                r.staging = extents
+            r.dst_pages = dst_pages
+            sends = [(peer.endpoint, m.TransferInfo(
                 room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
-                status_endpoint=self.status_endpoint, dst_pages=index_list(pages),
+                status_endpoint=self.status_endpoint, dst_pages=dst_pages,
                 aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
-                prompt_digest=prompt_digest,
-            )
+                prompt_digest=prompt_digest, required_dst_info_num=r.required[p], staging=list(r.staging),
+            ), p) for p, peer in r.links.items()]
             r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
-            endpoint = r.endpoint
-        if not self._push.send(endpoint, info):
-            # Not queued, so never delivered: nothing can be written into the pages.
+        unsent = [(endpoint, p) for endpoint, info, p in sends if not self._push.send(endpoint, info)]
+        if unsent:
+            # Not queued, so never delivered: those ranks write nothing; the others are aborted.
             with self._lock:
-                r.info_sent_at = None
-                self._rooms.advance_locked(r, KVPoll.Failed, f"could not queue TransferInfo for prefill {endpoint}")
+                for endpoint, p in unsent:
+                    self._rank_failed_locked(r, p, f"could not queue TransferInfo for prefill {endpoint}")
+            self._send_abort(r, r.pending_fail or "could not queue TransferInfo")
 
     def abort_room(self, room: int, reason: str) -> None:
         with self._lock:
@@ -187,11 +221,11 @@ class DecodeKVManager:
             if r is None or r.status.terminal or r.pending_fail is not None:
                 return
             if r.info_sent_at is None:
-                self._rooms.advance_locked(r, KVPoll.Failed, reason)
+                self._fail_now_locked(r, reason)
             else:
                 self._begin_abort_locked(r, reason)
         # Also when nothing was sent yet: the prefill's sender then fails now, not at its timeout.
-        if r.endpoint is not None:
+        if r.resolved:
             self._send_abort(r, reason)
         else:
             self._todo.put((room, r.bootstrap_addr, reason, False))
@@ -218,11 +252,15 @@ class DecodeKVManager:
         if only_if_absent and room in self._rooms:
             return  # a receiver for this room appeared meanwhile: the room is live, not refused
         try:
-            peer = self._peers.resolve(addr, room)
+            endpoints = [peer.endpoint for peer in self._peers.resolve(addr, room).peers.values()]
         except Exception:
-            return  # unreachable: the prefill's own bootstrap timeout fails its sender
-        self._push.send(peer.endpoint, m.AbortRoom(
-            room=room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))
+            try:  # a layout we cannot receive (LayoutMismatch): tell every rank of the node
+                endpoints = self._peers.node_endpoints(addr, room)
+            except Exception:
+                return  # unreachable: the prefill's own bootstrap timeout fails its sender
+        for endpoint in endpoints:
+            self._push.send(endpoint, m.AbortRoom(
+                room=room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))
 
     def _connect(self, room: int) -> None:
         r = self._rooms.get(room)
@@ -230,22 +268,32 @@ class DecodeKVManager:
             return
         addr = r.bootstrap_addr
         try:
-            peer = self._peers.resolve(addr, room)
+            links = self._peers.resolve(addr, room)
         except Exception as exc:  # BootstrapError (unreachable, not registered, layout) or bad data
             reason = f"bootstrap {addr}: {exc}"
             with self._lock:
                 self._peers.lookup_failed_locked(addr, reason, for_s=self.config.heartbeat_interval_s)
-            return self._fail(room, reason)
-        send_register = False
+            self._fail(room, reason)
+            if isinstance(exc, LayoutMismatch):  # the prefill's ranks are up and may hold the room
+                self._todo.put((room, addr, reason, False))
+            return
+        to_register = []
         with self._lock:
-            if self._peers.get(peer.endpoint) is not peer:
-                self._rooms.advance_locked(r, KVPoll.Failed, f"prefill {peer.endpoint} was declared dead while connecting")
+            gone = [peer.endpoint for peer in links.peers.values() if self._peers.get(peer.endpoint) is not peer]
+            if gone:
+                self._fail_now_locked(r, f"prefill {gone[0]} was declared dead while connecting")
                 return
-            if not peer.registered:
-                peer.registered = send_register = True
-            r.endpoint, r.peer = peer.endpoint, peer
-        if send_register and not self._push.send(peer.endpoint, wire.register_message(self.args, self.engine.session_id, self.instance_id, self.status_endpoint)):
-            return self._fail(room, f"could not queue KV args for prefill {peer.endpoint}")
+            for peer in links.peers.values():
+                if not peer.registered:
+                    peer.registered = True
+                    to_register.append(peer)
+            r.links, r.sources, r.required = dict(links.peers), links.sources, dict(links.required)
+            r.slices, r.scatter = links.slices, links.scatter
+        for peer in to_register:
+            msg = wire.register_message(self.args, self.engine.session_id, self.instance_id, self.status_endpoint,
+                                        self._staging_area)
+            if not self._push.send(peer.endpoint, msg):
+                return self._fail(room, f"could not queue KV args for prefill {peer.endpoint}")
         with self._lock:
             if r.pending_fail is None:
                 self._rooms.advance_locked(r, KVPoll.WaitingForInput)
@@ -258,23 +306,29 @@ class DecodeKVManager:
             self._liveness.on_pong(msg)
 
     def _on_status(self, msg: m.TransferStatus) -> None:
+        aborts: DecodeRoom | None = None
         with self._lock:
-            if self._fenced.release(msg.room, f"prefill rank {msg.prefill_rank} answered for it"):
+            if self._fenced.release_rank(msg.room, msg.prefill_rank, f"prefill rank {msg.prefill_rank} answered for it"):
                 self._rooms.changed_locked()
                 return
             r = self._rooms.get(msg.room)
-            if r is None or r.status.terminal:
-                log.debug("status for unknown or finished room %d dropped", msg.room)
+            if r is None or r.status.terminal or msg.prefill_rank not in r.links:
+                log.debug("status for unknown or finished room %d (rank %d) dropped", msg.room, msg.prefill_rank)
                 return
-            peer = self._peers.get(r.endpoint)
-            if msg.unregistered and peer is not None:
-                peer.registered = False  # the next room registers again
-            if r.pending_fail is not None:  # any answer ends the fence: nothing is in flight
-                self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail)
-            elif msg.status == KVPoll.Success and r.info_sent_at is not None:
-                self._rooms.advance_locked(r, KVPoll.Success)
+            if msg.unregistered:
+                r.links[msg.prefill_rank].registered = False  # the next room registers again
+            if r.info_sent_at is None:  # nothing was sent: nothing can be written
+                self._fail_now_locked(r, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+            elif msg.status == KVPoll.Success:
+                r.answered.setdefault(msg.prefill_rank, True)
+                self._settle_locked(r)
             else:
-                self._rooms.advance_locked(r, KVPoll.Failed, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+                started = r.pending_fail is None
+                self._rank_failed_locked(r, msg.prefill_rank, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
+                if started and not r.status.terminal:
+                    aborts = r
+        if aborts is not None:
+            self._send_abort(aborts, aborts.pending_fail or "failed")
 
     # --- heartbeat thread ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -299,28 +353,81 @@ class DecodeKVManager:
                     continue
                 if r.pending_fail is not None:
                     if now >= r.fence_deadline:
-                        log.error("room %d: no answer from prefill %s by the fence deadline; failing it", r.room, r.endpoint)
-                        self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail)
-                        if r.peer is not None:  # no proof the peer's writes ended: hold the pages
-                            i = r.peer.info
-                            self._fenced.hold(Fenced(r.room, i.endpoint, i.rank_ip, i.rank_port, i.instance_id, now))
+                        log.error("room %d: no answer from prefill ranks %s by the fence deadline; failing it", r.room,
+                                  r.silent_sources())
+                        # no proof the silent ranks' writes ended: hold the pages (and staging)
+                        for p in r.silent_sources():
+                            i = r.links[p].info
+                            self._fenced.hold(Fenced(r.room, i.endpoint, i.rank_ip, i.rank_port, i.instance_id, now, p))
+                        self._fail_now_locked(r, r.pending_fail)
                 elif r.info_sent_at is None and now - r.created > cfg.bootstrap_timeout_s:
                     what = "reach the prefill" if r.status is KVPoll.Bootstrapping else "reserve memory"
                     reason = f"could not {what} within {cfg.bootstrap_timeout_s:g}s (bootstrap timeout)"
-                    self._rooms.advance_locked(r, KVPoll.Failed, reason)
+                    self._fail_now_locked(r, reason)
                 elif r.info_sent_at is not None and now - r.info_sent_at > cfg.waiting_timeout_s:
                     reason = f"KV did not arrive within {cfg.waiting_timeout_s:g}s (waiting timeout)"
                     aborts.append((r, self._begin_abort_locked(r, reason)))
         for r, reason in aborts:
             self._send_abort(r, reason)
 
-    # --- room state ----------------------------------------------------------------------------
+    # --- room state (lock held where named so) -------------------------------------------------
     def _fail(self, room: int, reason: str) -> None:
         """Fail a room that has not sent its TransferInfo (nothing can be written into it)."""
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.info_sent_at is None:
-                self._rooms.advance_locked(r, KVPoll.Failed, reason)
+                self._fail_now_locked(r, reason)
+
+    def _fail_now_locked(self, r: DecodeRoom, reason: str) -> None:
+        """Failed, now: no write can land (nothing was sent, or every source answered or is
+        gone), or the silent ones were just fenced. Staging pages go back unless fenced."""
+        if self._rooms.advance_locked(r, KVPoll.Failed, reason):
+            self._drop_staging_locked(r)
+
+    def _drop_staging_locked(self, r: DecodeRoom) -> None:
+        extents, r.staging = r.staging, []
+        if not extents or self._staging is None:
+            return
+        if r.room in self._fenced:
+            self._held_staging[r.room] = extents  # a silent source may still write there
+        else:
+            self._staging.free(extents)
+
+    def _release_staging(self, room: int) -> None:
+        """The holding set lifted ``room``'s fence (lock held): its staging pages are free."""
+        extents = self._held_staging.pop(room, None)
+        if extents and self._staging is not None:
+            self._staging.free(extents)
+
+    def _rank_failed_locked(self, r: DecodeRoom, rank: int, reason: str) -> None:
+        """Prefill rank ``rank`` failed the room, or is proven unable to write: the room fails
+        (the caller sends the AbortRooms), once no source can still write."""
+        if r.status.terminal:
+            return
+        r.answered[rank] = False
+        if r.pending_fail is None:
+            self._begin_abort_locked(r, reason)
+        self._settle_locked(r)
+
+    def _settle_locked(self, r: DecodeRoom) -> None:
+        """Finish the room if its sources allow: all answered after a failure -> Failed; all said
+        Success -> staged slices into the pool pages, then Success."""
+        if r.status.terminal or r.silent_sources():
+            return
+        if r.pending_fail is not None or not all(r.answered[p] for p in r.sources):
+            self._fail_now_locked(r, r.pending_fail or "a prefill rank failed")
+            return
+        if r.staging and self._staging is not None:
+            try:
+                # Under the lock, on the status thread: a copy of one room's slices, and the room
+                # must not be released (its pages reused) while it runs.
+                self._staging.scatter(self.args, r.slices, r.dst_pages, r.staging)
+            except Exception as exc:
+                log.exception("room %d: scatter from staging failed", r.room)
+                self._fail_now_locked(r, f"scatter from staging failed: {exc!r}")
+                return
+        if self._rooms.advance_locked(r, KVPoll.Success):
+            self._drop_staging_locked(r)
 
     def _begin_abort_locked(self, r: DecodeRoom, reason: str) -> str:
         r.pending_fail = reason
@@ -328,6 +435,9 @@ class DecodeKVManager:
         return reason
 
     def _send_abort(self, r: DecodeRoom, reason: str) -> None:
-        if r.endpoint is not None:
-            self._push.send(r.endpoint, m.AbortRoom(
-                room=r.room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))
+        """AbortRoom to every linked rank that has not answered (each answers Failed once its own
+        writes for the room returned)."""
+        for peer in r.unanswered():
+            if peer.endpoint in self._peers:  # a rank declared dead is not asked again
+                self._push.send(peer.endpoint, m.AbortRoom(
+                    room=r.room, session_id=self.engine.session_id, status_endpoint=self.status_endpoint, reason=reason))

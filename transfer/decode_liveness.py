@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from transfer import messages as m
 from transfer.config import KVManagerConfig
@@ -28,7 +29,11 @@ class DecodeLiveness:
     """``session_id`` and ``status_endpoint``: ours, named in every Ping and AbortRoom."""
 
     def __init__(self, config: KVManagerConfig, rooms: RoomTable[DecodeRoom], peers: PeerCache, fenced: FencedRooms,
-                 push: PushSockets, session_id: str, status_endpoint: str) -> None:
+                 push: PushSockets, session_id: str, status_endpoint: str,
+                 rank_failed_locked: Callable[[DecodeRoom, int, str], None]) -> None:
+        # rank_failed_locked(room, rank, reason): the manager's rule for a rank that can no
+        # longer write into a room (lock held); the room fails once no source can still write.
+        self._rank_failed_locked = rank_failed_locked
         self._config = config
         self._rooms, self._peers, self._fenced, self._push = rooms, peers, fenced, push
         self._lock = rooms.lock
@@ -81,15 +86,29 @@ class DecodeLiveness:
             confirmed_gone = port_closed(peer.info.rank_ip, peer.info.rank_port)
         log.warning("%s; declared dead (%s)", reason, "gone" if confirmed_gone else "may be hung: quarantining its rooms")
         now = time.monotonic()
+        aborts: list[DecodeRoom] = []
         with self._lock:
             for r in self._rooms.records_locked():
-                if r.endpoint != peer.endpoint or r.status.terminal:
+                rank = r.rank_of(peer.endpoint)
+                if rank is None or r.status.terminal:
                     continue
-                if r.info_sent_at is None or confirmed_gone:
+                if r.info_sent_at is None:
                     self._rooms.advance_locked(r, KVPoll.Failed, r.pending_fail or reason)
+                    continue
+                started = r.pending_fail is None
+                if confirmed_gone:
+                    self._rank_failed_locked(r, rank, reason)
                 else:
                     r.pending_fail = r.pending_fail or reason
                     r.fence_deadline = min(r.fence_deadline, now + self._config.hung_peer_quarantine_s)
+                if started and not r.status.terminal:
+                    aborts.append(r)  # the room's other ranks stop writing and answer
+        for r in aborts:
+            for other in r.unanswered():
+                if other.endpoint != peer.endpoint and other.endpoint in self._peers:
+                    self._push.send(other.endpoint, m.AbortRoom(room=r.room, session_id=self._session_id,
+                                                                status_endpoint=self._status_endpoint,
+                                                                reason=r.pending_fail or reason))
 
     # --- the holding set (transfer.fenced) -------------------------------------------------------
     def _fenced_pong_locked(self, msg: m.Pong) -> list[int]:
@@ -98,11 +117,11 @@ class DecodeLiveness:
         own fence, or at once for a room it no longer knows)."""
         again: list[int] = []
         for room in self._fenced.rooms_of(msg.endpoint):
-            entry = self._fenced.get(room)
+            entry = self._fenced.get(room, msg.endpoint)
             assert entry is not None
             if entry.instance_id is not None and entry.instance_id != msg.instance_id:
-                self._fenced.release(room, f"a new instance answers on {msg.endpoint}")
-                self._rooms.changed_locked()
+                if self._fenced.release_endpoint(room, msg.endpoint, f"a new instance answers on {msg.endpoint}"):
+                    self._rooms.changed_locked()
             else:
                 again.append(room)
         return again
@@ -126,7 +145,7 @@ class DecodeLiveness:
             if port_closed(host, port):
                 with self._lock:
                     for room in self._fenced.rooms_of(endpoint):
-                        self._fenced.release(room, f"prefill {endpoint} is gone (port refused)")
+                        self._fenced.release_endpoint(room, endpoint, f"prefill {endpoint} is gone (port refused)")
                     self._rooms.changed_locked()
                 if endpoint not in self._peers:
                     self._push.purge(endpoint)

@@ -26,14 +26,22 @@ from transfer.registry import create_data_plane
 
 
 def node_kv_args(kv_pool: KVPool, state_pool: StatePool | None, aux: AuxPool, host: str,
-                 tp_rank: int = 0, tp_size: int = 1) -> KVArgs:
+                 tp_rank: int = 0, tp_size: int = 1, *, total_kv_heads: int | None = None,
+                 staging_pages: int = 0) -> KVArgs:
     """What a node rank registers and tells its peers: its KV pool (its own KV heads), its
     recurrent-state pool (hybrid models; ``None`` otherwise) and its aux rows, reachable at
-    ``host``, as TP rank ``tp_rank`` of ``tp_size``."""
+    ``host``, as TP rank ``tp_rank`` of ``tp_size``.
+
+    ``total_kv_heads``: the model's KV heads (required when ``tp_size`` > 1). ``staging_pages``
+    > 0 lets the rank serve or receive another TP size (``transfer.staging``): a prefill rank's
+    per-worker arena (a chunk larger goes in pieces), a decode rank's staging area (as many pages
+    as its KV pool never runs out). The pool tensors go along for the gather and scatter; equal
+    TP never touches them."""
     return KVArgs(layout=kv_pool.layout, kv=KVArgs.kv_from_pool(kv_pool),
                   state=KVArgs.state_from_pool(state_pool),
                   state_layout=None if state_pool is None else state_pool.layout,
-                  aux=aux.buffers(), aux_top_k=aux.top_k, host=host, tp_rank=tp_rank, tp_size=tp_size)
+                  aux=aux.buffers(), aux_top_k=aux.top_k, host=host, tp_rank=tp_rank, tp_size=tp_size,
+                  total_kv_heads=total_kv_heads, kv_tensors=tuple(kv_pool.buffers()), staging_pages=staging_pages)
 
 
 def _data_plane(tc: TransferConfig, host: str, **options: object) -> DataPlane:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -37,20 +38,26 @@ class Fenced:
     port: int
     instance_id: str | None  # the prefill process that may still write
     since: float
+    rank: int = 0  # the prefill rank (a room written by several ranks is held per rank)
 
 
 class FencedRooms:
-    """Bookkeeping only (no locking, no I/O): the manager calls it under its own lock."""
+    """Bookkeeping only (no locking, no I/O): the manager calls it under its own lock.
 
-    def __init__(self) -> None:
-        self._rooms: dict[int, Fenced] = {}
+    A room written by several prefill ranks (unequal TP) is held once per rank that may still
+    write, and released when the last of them is proven unable to: ``on_released(room)`` then
+    runs (the manager gives back the room's staging pages)."""
+
+    def __init__(self, on_released: Callable[[int], None] | None = None) -> None:
+        self._rooms: dict[int, dict[str, Fenced]] = {}  # room -> endpoint -> entry
+        self._on_released = on_released
 
     def hold(self, entry: Fenced) -> None:
-        self._rooms[entry.room] = entry
+        self._rooms.setdefault(entry.room, {})[entry.endpoint] = entry
         log.warning("room %d: pages fenced until prefill %s is proven unable to write", entry.room, entry.endpoint)
 
-    def get(self, room: int) -> Fenced | None:
-        return self._rooms.get(room)
+    def get(self, room: int, endpoint: str) -> Fenced | None:
+        return self._rooms.get(room, {}).get(endpoint)
 
     def __contains__(self, room: int) -> bool:
         return room in self._rooms
@@ -59,20 +66,37 @@ class FencedRooms:
         return len(self._rooms)
 
     def release(self, room: int, why: str) -> bool:
-        """Drop ``room`` (True) or do nothing if it is not held (False): each room once."""
-        entry = self._rooms.pop(room, None)
-        if entry is None:
+        """Drop ``room`` whole (True) or do nothing if it is not held (False): each room once."""
+        entries = self._rooms.pop(room, None)
+        if entries is None:
             return False
-        log.warning("room %d: fence lifted after %.1f s: %s", room, time.monotonic() - entry.since, why)
+        since = min((e.since for e in entries.values()), default=time.monotonic())
+        log.warning("room %d: fence lifted after %.1f s: %s", room, time.monotonic() - since, why)
+        if self._on_released is not None:
+            self._on_released(room)
         return True
+
+    def release_endpoint(self, room: int, endpoint: str, why: str) -> bool:
+        """``endpoint`` can no longer write into ``room``; True when that lifted the room's fence."""
+        entries = self._rooms.get(room)
+        if entries is None or entries.pop(endpoint, None) is None:
+            return False
+        return self.release(room, why) if not entries else False
+
+    def release_rank(self, room: int, rank: int, why: str) -> bool:
+        """Prefill rank ``rank`` answered for ``room`` (after its last write); True when that lifted the fence."""
+        entry = next((e for e in self._rooms.get(room, {}).values() if e.rank == rank), None)
+        return False if entry is None else self.release_endpoint(room, entry.endpoint, why)
 
     def endpoints(self) -> dict[str, tuple[str, int, str | None]]:
         """Each endpoint with held rooms -> (host, port, instance_id) to probe."""
-        return {e.endpoint: (e.host, e.port, e.instance_id) for e in self._rooms.values()}
+        return {e.endpoint: (e.host, e.port, e.instance_id) for es in self._rooms.values() for e in es.values()}
 
     def older_than(self, max_s: float, now: float) -> list[int]:
         """Rooms held for more than ``max_s`` seconds (none when ``max_s`` is 0)."""
-        return [] if max_s <= 0 else [e.room for e in self._rooms.values() if now - e.since > max_s]
+        if max_s <= 0:
+            return []
+        return [room for room, es in self._rooms.items() if es and now - min(e.since for e in es.values()) > max_s]
 
     def rooms_of(self, endpoint: str) -> list[int]:
-        return [e.room for e in self._rooms.values() if e.endpoint == endpoint]
+        return [room for room, es in self._rooms.items() if endpoint in es]

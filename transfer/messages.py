@@ -38,6 +38,13 @@ class KVArgsRegister(msgspec.Struct, tag="kv_args", kw_only=True):
     state_ptrs: list[int] = []
     state_nbytes: list[int] = []
     state_item_nbytes: list[int] = []
+    # The model's KV heads (0: an older decode, equal TP only); with tp_rank/tp_size the prefill
+    # derives the heads this rank holds and what it must send it (transfer.tp_map).
+    total_kv_heads: int = 0
+    # The decode's registered staging area (transfer.staging), where head slices land when this
+    # rank holds more heads than a source sends; 0 bytes: none.
+    staging_ptr: int = 0
+    staging_nbytes: int = 0
 
 
 class TransferInfo(msgspec.Struct, tag="transfer_info", kw_only=True):
@@ -54,6 +61,9 @@ class TransferInfo(msgspec.Struct, tag="transfer_info", kw_only=True):
     # The prompt this decode holds the room for (``prompt_digest``); the prefill writes only into
     # a room whose prompt is the one it computes. "" (an older peer): not checked.
     prompt_digest: str = ""
+    # The room's pages in the decode's staging area, as (first staging page, count) extents in
+    # token order; empty when its head slices land straight in dst_pages (transfer.staging).
+    staging: list[tuple[int, int]] = []
 
 
 class AbortRoom(msgspec.Struct, tag="abort", kw_only=True):

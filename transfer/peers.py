@@ -9,10 +9,15 @@ restarted prefill at once.
 
 Caches, all guarded by the lock the owner passes in (its room table's: ``transfer.rooms``)::
 
-    addr -> dp_size                    the prefill's layout, checked once against ours
-    (addr, dp group) -> endpoint       which rank serves a room
-    endpoint -> Peer                   the rank itself
-    addr -> (expiry, reason)           a failed lookup, answered from here for a while
+    addr -> (dp_size, TPMap)                 the prefill's layout, checked once against ours, and
+                                             which of its ranks this decode rank draws on
+    (addr, dp group, rank) -> endpoint       where each of those ranks listens
+    endpoint -> Peer                         the rank itself
+    addr -> (expiry, reason)                 a failed lookup, answered from here for a while
+
+A room links this decode rank to every prefill rank it sends a TransferInfo to (``Links``): the
+sources of its heads and any unused replica it tells so (``transfer.tp_map``). At equal TP that
+is rank r alone.
 """
 from __future__ import annotations
 
@@ -21,10 +26,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from bootstrap_server.errors import RankNotRegistered
 from bootstrap_server.schema import DecodeLayout, RankInfo, check_receivable
 
 from transfer.base import BootstrapClient
 from transfer.errors import TransferError
+from transfer.tp_map import HeadSlice, TPMap, plan
 
 
 @dataclass
@@ -47,6 +54,17 @@ class Peer:
         return self.sent_seq
 
 
+@dataclass(frozen=True)
+class Links:
+    """The prefill ranks one room of this decode rank involves (see the module docstring)."""
+
+    peers: dict[int, Peer]  # prefill rank -> peer: every rank that gets our TransferInfo
+    sources: tuple[int, ...]  # the ranks that write our heads
+    required: dict[int, int]  # prefill rank -> the required_dst_info_num it expects
+    slices: tuple[HeadSlice, ...]  # the head slices we receive
+    scatter: bool  # some slice lands in the staging area first (transfer.staging)
+
+
 class PeerCache:
     """The prefill ranks one decode rank has looked up (see the module docstring).
 
@@ -57,29 +75,48 @@ class PeerCache:
     def __init__(self, lock: threading.Lock, bootstrap: BootstrapClient, layout: DecodeLayout, tp_rank: int) -> None:
         self._lock, self._bootstrap, self._layout, self._tp_rank = lock, bootstrap, layout, tp_rank
         self._peers: dict[str, Peer] = {}  # prefill control endpoint -> peer
-        self._routes: dict[tuple[str, int], str] = {}  # (bootstrap addr, dp group) -> endpoint
-        self._dp_sizes: dict[str, int] = {}  # bootstrap addr -> prefill dp_size
+        self._routes: dict[tuple[str, int, int], str] = {}  # (bootstrap addr, dp group, rank) -> endpoint
+        self._plans: dict[str, tuple[int, TPMap]] = {}  # bootstrap addr -> (prefill dp_size, plan)
         self._negative: dict[str, tuple[float, str]] = {}  # bootstrap addr -> (expiry, why lookups fail)
 
-    def resolve(self, addr: str, room: int) -> Peer:
-        """The prefill rank serving ``room`` (cached); raises when it cannot be found or received."""
+    def resolve(self, addr: str, room: int) -> Links:
+        """The prefill ranks ``room`` involves (cached); raises when they cannot be found or
+        received from: ``LayoutMismatch`` names the field, at lookup, before anything is sent."""
         with self._lock:
             neg = self._negative.get(addr)
             if neg is not None and neg[0] > time.monotonic():
                 raise TransferError(neg[1] + " (cached)")
-            dp_size = self._dp_sizes.get(addr)
-        if dp_size is None:
+            cached = self._plans.get(addr)
+        if cached is None:
             layout = self._bootstrap.lookup_layout(addr)
+            if not layout.complete:  # its sources may be among the ranks still missing
+                raise RankNotRegistered(f"prefill layout incomplete: {layout.registered_ranks} of "
+                                        f"{layout.expected_ranks} ranks registered", url=addr, status=404)
             check_receivable(layout, self._layout)  # LayoutMismatch names every bad field
-            dp_size = layout.dp_size
+            total = layout.total_kv_heads or self._layout.model_kv_heads  # None only at equal TP (checked)
+            cached = (layout.dp_size, plan(layout.tp_size, self._layout.tp_size, total))
             with self._lock:
-                self._dp_sizes[addr] = dp_size
-        key = (addr, room % dp_size)
+                self._plans[addr] = cached
+        dp_size, tp = cached
+        group, d = room % dp_size, self._tp_rank
+        peers = {p: self._peer(addr, group, p) for p in tp.contacts(d)}
+        slices = tp.recv[d]
+        return Links(peers=peers, sources=tp.sources(d), required={p: tp.required_dst_info_num(p) for p in peers},
+                     slices=slices, scatter=any(s.num_heads < self._layout.num_kv_heads for s in slices))
+
+    def node_endpoints(self, addr: str, room: int) -> list[str]:
+        """Every rank of the prefill's dp group serving ``room``, receivable or not (uncached):
+        where a refusal is sent, so each rank's sender fails now rather than at its timeout."""
+        layout = self._bootstrap.lookup_layout(addr)
+        return [self._bootstrap.lookup_rank(addr, p, room % layout.dp_size).endpoint for p in range(layout.tp_size)]
+
+    def _peer(self, addr: str, group: int, rank: int) -> Peer:
+        key = (addr, group, rank)
         with self._lock:
             endpoint = self._routes.get(key)
             if endpoint is not None and endpoint in self._peers:
                 return self._peers[endpoint]
-        info = self._bootstrap.lookup_rank(addr, self._tp_rank, key[1])
+        info = self._bootstrap.lookup_rank(addr, rank, group)
         with self._lock:
             peer = self._peers.get(info.endpoint)
             if peer is None or peer.info.instance_id != info.instance_id:
@@ -111,7 +148,7 @@ class PeerCache:
         del self._peers[peer.endpoint]
         for key in [k for k, e in self._routes.items() if e == peer.endpoint]:
             del self._routes[key]
-        self._dp_sizes.pop(peer.bootstrap_addr, None)
+        self._plans.pop(peer.bootstrap_addr, None)
         return True
 
 

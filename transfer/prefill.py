@@ -51,6 +51,7 @@ from transfer.handles import PrefillKVSender
 from transfer.poll import KVPoll
 from transfer.prefill_control import PrefillControl
 from transfer.rooms import PrefillRoom, RoomTable
+from transfer.staging import Arena
 from transfer.worker import GROUP_MAX, Chunk, Target, TransferWorker
 from transfer.zmq_io import PushSockets, bind_pull, serve_pull
 
@@ -90,12 +91,18 @@ class PrefillKVManager:
         # GROUP_MAX staging aux rows per worker: a worker copies each last chunk's record to its
         # own row of the group being written, then writes it with the chunk's pages.
         self._staging = AuxPool(config.num_workers * GROUP_MAX, top_k=args.aux_top_k)
+        # One staging arena per worker, where head slices for a decode of another TP size are
+        # gathered (transfer.staging); none when the rank cannot stage (equal TP only).
+        self._arenas = [Arena(args.staging_pages * args.page_unit_nbytes, args.kv_tensors[0].device)
+                        for _ in range(config.num_workers)] if args.can_stage else []
         self._threads: list[threading.Thread] = []
         try:
             staging = self._staging.buffers()
-            for ptr, nbytes in [*args.all_buffers(), *zip(staging.ptrs, staging.nbytes)]:
+            arenas = [(a.ptr, a.nbytes) for a in self._arenas]
+            for ptr, nbytes in [*args.all_buffers(), *zip(staging.ptrs, staging.nbytes), *arenas]:
                 engine.register(ptr, nbytes)
-            self._workers = [TransferWorker(i, self, args, engine, self._staging, config.max_batch_entries)
+            self._workers = [TransferWorker(i, self, args, engine, self._staging, config.max_batch_entries,
+                                            self._arenas[i] if self._arenas else None)
                              for i in range(config.num_workers)]
             self.rank_info = wire.rank_info(args, port, self.instance_id, engine)
             bootstrap.register_rank(bootstrap_addr, self.rank_info)
@@ -171,6 +178,13 @@ class PrefillKVManager:
         """Descriptors the workers handed to the engine so far (observability and tests)."""
         return sum(w.descriptors_written for w in self._workers)
 
+    def transfer_stats(self) -> dict[str, int]:
+        """Counters for metrics: descriptors and bytes written so far, and the staging arenas'
+        size and high-water mark (bytes, all workers; 0 without staging)."""
+        return {"descriptors": self.descriptors_written(), "bytes": sum(w.bytes_written for w in self._workers),
+                "staging_bytes": sum(a.nbytes for a in self._arenas),
+                "staging_peak_bytes": max((a.peak for a in self._arenas), default=0)}
+
     def tables(self) -> dict[str, list[Any]]:
         """The keys of everything this manager holds (rooms, tombstones, orphan TransferInfos,
         known, refused and recently heard decode sessions): empty lists when it is idle."""
@@ -212,10 +226,11 @@ class PrefillKVManager:
             targets = []
             for info in r.infos.values():
                 peer = self._control.peer_locked(info.session_id)
-                if peer is None or peer.instance_id != info.instance_id:
+                route = self._control.route_locked(info.session_id)
+                if peer is None or route is None or peer.instance_id != info.instance_id:
                     self._control.fail_locked(r, f"decode {info.session_id} is gone")
                     return None
-                targets.append(Target(info, peer))
+                targets.append(Target(info, peer, route))
             r.inflight += 1
             return targets
 

@@ -21,6 +21,7 @@ from transfer.args import KVArgs
 from transfer.config import KVManagerConfig
 from transfer.poll import KVPoll
 from transfer.rooms import PrefillRoom, RoomTable
+from transfer.staging import Route
 from transfer.zmq_io import PushSockets
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class PrefillControl:
         self._lock = rooms.lock
         self._orphans: dict[int, tuple[float, dict[str, m.TransferInfo]]] = {}  # infos before their sender
         self._peers: dict[str, m.KVArgsRegister] = {}  # decode session -> its buffers
+        self._routes: dict[str, Route] = {}  # decode session -> what we write into it (same keys)
         self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
         self._last_heard: dict[str, float] = {}  # decode session -> last message from it
 
@@ -61,8 +63,13 @@ class PrefillControl:
         """The KV args a decode session registered (None: unknown, refused or forgotten)."""
         return self._peers.get(session)
 
+    def route_locked(self, session: str) -> Route | None:
+        """What we write into a registered decode session (``transfer.staging``)."""
+        return self._routes.get(session)
+
     def forget_peer_locked(self, session: str) -> m.KVArgsRegister | None:
         """A write to ``session`` failed: it registers again (or, restarted, under a new session)."""
+        self._routes.pop(session, None)
         return self._peers.pop(session, None)
 
     def tables_locked(self) -> dict[str, list[Any]]:
@@ -89,16 +96,18 @@ class PrefillControl:
             self._push.send(msg.status_endpoint, m.Pong(seq=msg.seq, endpoint=self._endpoint, instance_id=self._instance_id))
 
     def _on_register(self, msg: m.KVArgsRegister) -> None:
-        reason = wire.peer_mismatch(self._args, msg)
+        route = wire.peer_route(self._args, msg)
+        reason = route if isinstance(route, str) else None
         with self._lock:
             old = self._peers.get(msg.session_id)
             if old is not None and old.instance_id != msg.instance_id:
                 self.fail_session_locked(msg.session_id, "decode restarted with the same session id")
-            if reason is not None:
-                self._peers.pop(msg.session_id, None)
-                self._rejected[msg.session_id] = reason
+            if isinstance(route, str):
+                self.forget_peer_locked(msg.session_id)
+                self._rejected[msg.session_id] = route
             else:
                 self._peers[msg.session_id] = msg
+                self._routes[msg.session_id] = route
                 self._rejected.pop(msg.session_id, None)
         if reason is not None:
             log.error("rejecting KV args from decode %s: %s", msg.session_id, reason)
@@ -116,7 +125,7 @@ class PrefillControl:
         log.error("refusing decode %s: %s", session, reason)
         with self._lock:
             self._rejected[session] = reason
-            self._peers.pop(session, None)
+            self.forget_peer_locked(session)
             self.fail_session_locked(session, f"decode {session} refused: {reason}")
             for room, (_, infos) in list(self._orphans.items()):
                 if infos.pop(session, None) is not None:
@@ -140,7 +149,7 @@ class PrefillControl:
                 reason = f"prefill refused this decode's KV args: {rejected}" if rejected else "prefill has no KV args for this decode session"
                 unregistered = rejected is None  # registering again would not help a rejected layout
             else:
-                reason = wire.bad_destination(peer, info)
+                reason = wire.bad_destination(peer, info, self._routes[info.session_id])
             r = self._rooms.get(info.room)
             if r is None:
                 tomb = self._rooms.tombstone_reason_locked(info.room)
@@ -223,7 +232,7 @@ class PrefillControl:
         busy = {s for r in self._rooms.records_locked() if not r.status.terminal for s in r.infos}
         idle = [p for s, p in self._peers.items() if s not in busy and now - self._last_heard.get(s, now) > limit]
         for p in idle:
-            del self._peers[p.session_id]
+            self.forget_peer_locked(p.session_id)
             self._last_heard.pop(p.session_id, None)
         for s in [s for s in self._last_heard if s not in self._peers and now - self._last_heard[s] > limit]:
             del self._last_heard[s]

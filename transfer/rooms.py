@@ -31,6 +31,7 @@ from typing import Generic, Protocol, TypeVar
 from transfer import messages as m
 from transfer.peers import Peer
 from transfer.poll import KVPoll, can_advance, no_listener
+from transfer.tp_map import HeadSlice
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +70,46 @@ class PrefillRoom:
 
 @dataclass
 class DecodeRoom:
+    """One room on a decode rank. Under TP it is written by every prefill rank in ``sources`` and
+    sent a TransferInfo by every rank in ``links`` (its sources and any unused replica this rank
+    tells it has nothing to send, ``transfer.tp_map``): it succeeds when every source said Success,
+    and fails, once a failure is decided (``pending_fail``), only when every source answered or
+    is proven gone, so no write of any rank can land after the caller freed its pages."""
+
     room: int
     bootstrap_addr: str
     created: float
     status: KVPoll = KVPoll.Bootstrapping
     reason: str | None = None
-    endpoint: str | None = None  # the prefill rank, once resolved
-    peer: Peer | None = None
+    links: dict[int, Peer] = field(default_factory=dict)  # prefill rank -> peer, once resolved
+    sources: tuple[int, ...] = ()  # the ranks of ``links`` that write into it
+    required: dict[int, int] = field(default_factory=dict)  # prefill rank -> its required_dst_info_num
+    answered: dict[int, bool] = field(default_factory=dict)  # rank -> said Success / failed or proven gone
+    slices: tuple[HeadSlice, ...] = ()  # the head slices this rank receives (transfer.tp_map)
+    scatter: bool = False  # some land in staging pages first (transfer.staging)
+    dst_pages: list[int] = field(default_factory=list)
+    staging: list[tuple[int, int]] = field(default_factory=list)  # staging extents held (scatter only)
     info_sent_at: float | None = None  # TransferInfo queued: the prefill may write from now on
     pending_fail: str | None = None  # failure decided, waiting for the fence
     fence_deadline: float = field(default=float("inf"))
 
     def answer(self) -> KVPoll:
         return self.status
+
+    @property
+    def resolved(self) -> bool:
+        return bool(self.links)
+
+    def silent_sources(self) -> list[int]:
+        """Sources that have not answered (a write of theirs may still land)."""
+        return [p for p in self.sources if p not in self.answered]
+
+    def unanswered(self) -> list[Peer]:
+        """Linked ranks that have not answered, each once."""
+        return [peer for p, peer in self.links.items() if p not in self.answered]
+
+    def rank_of(self, endpoint: str) -> int | None:
+        return next((p for p, peer in self.links.items() if peer.endpoint == endpoint), None)
 
 
 R = TypeVar("R", bound=RoomRecord)

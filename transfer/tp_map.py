@@ -7,12 +7,20 @@ the rank's first head. A decode rank receives each of its heads exactly once; wh
 head on several ranks, the replica ``decode_rank % replicas`` sends it, so consecutive decode ranks
 draw on different prefill ranks. Anything that cannot be served raises ``LayoutMismatch`` naming the
 field, before any transfer starts.
+
+A prefill rank that no decode rank draws from (an unused replica) still has the room: one decode
+rank, ``prefill_rank % decode_tp``, tells it so with a TransferInfo for which it has nothing to
+write (``informants``), so its room reaches a terminal state with the others'.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from bootstrap_server.errors import LayoutMismatch
+from bootstrap_server.heads import RankHeads, check_tp_pair, rank_heads
+
+__all__ = ["HeadSlice", "RankHeads", "TPMap", "plan", "rank_heads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,31 +31,6 @@ class HeadSlice:
     src_head_offset: int
     dst_head_offset: int
     num_heads: int
-
-
-@dataclass(frozen=True, slots=True)
-class RankHeads:
-    """The global heads one rank holds: ``first .. first + count``."""
-
-    first: int
-    count: int
-
-
-def rank_heads(tp_size: int, num_kv_heads: int, rank: int, *, side: str = "") -> RankHeads:
-    """Rank ``rank``'s heads under the pool contract; ``side`` prefixes the field in errors."""
-    field = f"{side}tp_size" if side else "tp_size"
-    if tp_size < 1 or num_kv_heads < 1:
-        raise LayoutMismatch(f"{field} {tp_size} and num_kv_heads {num_kv_heads} must be >= 1")
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"rank {rank} out of range for tp_size {tp_size}")
-    if tp_size <= num_kv_heads:
-        if num_kv_heads % tp_size:
-            raise LayoutMismatch(f"num_kv_heads {num_kv_heads} is not divisible by {field} {tp_size}")
-        per_rank = num_kv_heads // tp_size
-        return RankHeads(rank * per_rank, per_rank)
-    if tp_size % num_kv_heads:
-        raise LayoutMismatch(f"{field} {tp_size} is not a multiple of num_kv_heads {num_kv_heads}")
-    return RankHeads(rank // (tp_size // num_kv_heads), 1)
 
 
 def _source_of(head: int, prefill_tp: int, num_kv_heads: int, decode_rank: int) -> tuple[int, int]:
@@ -77,12 +60,22 @@ class TPMap:
         """The decode ranks ``prefill_rank`` sends to, ascending; may be empty (an unused replica)."""
         return tuple(d for d in range(self.decode_tp) if prefill_rank in self.sources(d))
 
+    def informants(self, prefill_rank: int) -> tuple[int, ...]:
+        """The decode ranks whose TransferInfo ``prefill_rank`` waits for: its destinations, or
+        for an unused replica the one decode rank that tells it it has nothing to send."""
+        return self.destinations(prefill_rank) or (prefill_rank % self.decode_tp,)
+
+    def contacts(self, decode_rank: int) -> tuple[int, ...]:
+        """The prefill ranks ``decode_rank`` sends a TransferInfo to: its sources and the unused
+        replicas it informs, ascending."""
+        return tuple(p for p in range(self.prefill_tp) if decode_rank in self.informants(p))
+
     def required_dst_info_num(self, prefill_rank: int) -> int:
         """How many decode ranks' ``TransferInfo`` ``prefill_rank`` waits for before it sends."""
-        return len(self.destinations(prefill_rank))
+        return len(self.informants(prefill_rank))
 
     def slices_to(self, prefill_rank: int, decode_rank: int) -> tuple[HeadSlice, ...]:
-        """What ``prefill_rank`` writes into ``decode_rank``'s pool."""
+        """What ``prefill_rank`` writes into ``decode_rank``'s pool (empty: nothing)."""
         return tuple(s for s in self.recv[decode_rank] if s.src_rank == prefill_rank)
 
     def aux_rank(self, decode_rank: int) -> int:
@@ -90,6 +83,7 @@ class TPMap:
         return self.sources(decode_rank)[0]
 
 
+@lru_cache(maxsize=64)
 def plan(
     prefill_tp: int,
     decode_tp: int,
@@ -101,6 +95,8 @@ def plan(
 ) -> TPMap:
     """Map every decode rank's heads to prefill sources, or raise ``LayoutMismatch`` naming the field.
 
+    Cached: both managers ask for the same few plans on every room.
+
     ``has_sharded_state``: the model carries per-rank recurrent state split by TP rank; it is sent
     whole by one rank, so it cannot be resharded between unequal TP sizes.
     """
@@ -110,6 +106,7 @@ def plan(
         raise LayoutMismatch(
             f"state_layout: per-rank recurrent state cannot be resharded from tp_size {prefill_tp} to {decode_tp}"
         )
+    check_tp_pair(prefill_tp, decode_tp)
     rank_heads(prefill_tp, num_kv_heads, 0, side="prefill ")  # validates divisibility
     recv: list[tuple[HeadSlice, ...]] = []
     for d in range(decode_tp):

@@ -1,16 +1,22 @@
 """Between local plain data and the wire: registry records, KV-args messages, checks on a peer's data."""
 from __future__ import annotations
 
+from bootstrap_server.errors import LayoutMismatch
 from bootstrap_server.schema import RankInfo, state_shapes
 
 from transfer import messages as m
+from transfer import staging
 from transfer.args import KVArgs
 from transfer.base import DataPlane
 
 
-def register_message(args: KVArgs, session_id: str, instance_id: str, status_endpoint: str) -> m.KVArgsRegister:
-    """The decode's one-time description of its buffers for a prefill rank."""
+def register_message(args: KVArgs, session_id: str, instance_id: str, status_endpoint: str,
+                     staging_area: tuple[int, int] = (0, 0)) -> m.KVArgsRegister:
+    """The decode's one-time description of its buffers for a prefill rank; ``staging_area``:
+    (pointer, bytes) of its staging area, if it has one."""
+    assert args.total_kv_heads is not None  # KVArgs sets it
     return m.KVArgsRegister(
+        total_kv_heads=args.total_kv_heads, staging_ptr=staging_area[0], staging_nbytes=staging_area[1],
         session_id=session_id, instance_id=instance_id, status_endpoint=status_endpoint,
         tp_rank=args.tp_rank, tp_size=args.tp_size, page_size=args.layout.page_size,
         kv_ptrs=list(args.kv.ptrs), kv_nbytes=list(args.kv.nbytes), kv_item_nbytes=list(args.kv.item_nbytes),
@@ -29,25 +35,55 @@ def rank_info(args: KVArgs, port: int, instance_id: str, engine: DataPlane) -> R
         transfer_backend=engine.name, session_id=engine.session_id, instance_id=instance_id,
         state_shapes=state_shapes(args.state_layout),
         state_dtype=None if args.state_layout is None else args.state_layout.dtype,  # type: ignore[arg-type]
+        total_kv_heads=args.total_kv_heads, kv_head_start=args.heads.first, kv_staging=args.can_stage,
     )
 
 
-def peer_mismatch(args: KVArgs, peer: m.KVArgsRegister) -> str | None:
+def peer_route(args: KVArgs, peer: m.KVArgsRegister) -> staging.Route | str:
+    """What this prefill rank writes into the decode rank that sent ``peer``, or why it cannot."""
     if peer.page_size != args.layout.page_size:
         return f"page_size {peer.page_size} != {args.layout.page_size}"
-    if list(peer.kv_item_nbytes) != list(args.kv.item_nbytes):
-        return f"KV page bytes per buffer {peer.kv_item_nbytes[:2]}.. != {list(args.kv.item_nbytes)[:2]}.."
     if list(peer.aux_item_nbytes) != list(args.aux.item_nbytes):
         return f"aux row bytes {peer.aux_item_nbytes} != {list(args.aux.item_nbytes)}"
     if list(peer.state_item_nbytes) != list(args.state.item_nbytes):
         return f"state item bytes {peer.state_item_nbytes} != {list(args.state.item_nbytes)}"
-    if peer.tp_size != args.tp_size:
-        return f"tp_size {peer.tp_size} != {args.tp_size}"
-    return None
+    assert args.total_kv_heads is not None  # KVArgs sets it
+    # An older decode does not say its model's heads: it can only be our own TP size.
+    total = peer.total_kv_heads or (args.total_kv_heads if peer.tp_size == args.tp_size else 0)
+    if total != args.total_kv_heads:
+        return f"total_kv_heads {peer.total_kv_heads} != {args.total_kv_heads} (tp_size {peer.tp_size} vs {args.tp_size})"
+    if len(args.state) and peer.tp_size != args.tp_size:
+        return f"state_layout: per-rank recurrent state cannot be resharded from tp_size {args.tp_size} to {peer.tp_size}"
+    if not 0 <= peer.tp_rank < peer.tp_size:
+        return f"tp_rank {peer.tp_rank} outside tp_size {peer.tp_size}"
+    try:
+        r = staging.route(args.tp_size, args.tp_rank, peer.tp_size, peer.tp_rank, total)
+    except LayoutMismatch as exc:
+        return str(exc)
+    unit = args.kv.item_nbytes[0] // args.layout.num_kv_heads
+    want = [unit * r.decode_heads] * len(args.kv)
+    if list(peer.kv_item_nbytes) != want:
+        return f"KV page bytes per buffer {peer.kv_item_nbytes[:2]}.. != {want[:2]}.. (decode rank {peer.tp_rank} of {peer.tp_size})"
+    if r.gather and not args.can_stage:
+        return f"kv_staging: this prefill rank would gather head slices for tp_size {peer.tp_size} but has no staging"
+    if r.scatter and not peer.staging_nbytes:
+        return f"kv_staging: decode rank {peer.tp_rank} receives head slices from tp_size {args.tp_size} but has no staging"
+    return r
 
 
-def bad_destination(peer: m.KVArgsRegister, info: m.TransferInfo) -> str | None:
-    """Reject indices outside the decode's registered buffers before anything is written."""
+def bad_destination(peer: m.KVArgsRegister, info: m.TransferInfo, r: staging.Route) -> str | None:
+    """Reject indices outside the decode's registered buffers, and a room this rank is not meant
+    to hear from this decode rank about, before anything is written."""
+    if not r.informs or info.required_dst_info_num != r.required_infos:
+        return (f"decode rank {peer.tp_rank} of {peer.tp_size} sent a TransferInfo with required_dst_info_num "
+                f"{info.required_dst_info_num}; the plan says {r.required_infos if r.informs else 'none from it'}")
+    if r.scatter:
+        page_nbytes = sum(peer.kv_item_nbytes)
+        pages = peer.staging_nbytes // page_nbytes
+        if sum(c for _, c in info.staging) != len(info.dst_pages):
+            return f"staging extents cover {sum(c for _, c in info.staging)} pages for {len(info.dst_pages)} pages"
+        if any(s < 0 or c < 1 or s + c > pages for s, c in info.staging):
+            return f"staging extents outside the decode's {pages} staging pages"
     pages = min(b // i for b, i in zip(peer.kv_nbytes, peer.kv_item_nbytes))
     if any(p < 0 or p >= pages for p in info.dst_pages):
         return f"destination pages outside the decode's {pages} pages"

@@ -22,13 +22,14 @@ import os
 import queue
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from common import envs
 from transfer import descriptors as d
 from transfer import messages as m
+from transfer.staging import Arena, Route, slice_descriptors
 from transfer.args import KVArgs
 from transfer.aux import AuxPool, AuxRecord
 from transfer.base import DataPlane
@@ -50,10 +51,11 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Target:
-    """One decode rank a chunk goes to: where (info) and whose buffers (peer)."""
+    """One decode rank a chunk goes to: where (info), whose buffers (peer), which heads (route)."""
 
     info: m.TransferInfo
     peer: m.KVArgsRegister
+    route: Route
 
 
 class ChunkSource(Protocol):
@@ -73,14 +75,16 @@ class ChunkSource(Protocol):
 
 class TransferWorker:
     def __init__(self, index: int, source: ChunkSource, args: KVArgs, engine: DataPlane, staging: AuxPool,
-                 max_batch_entries: int) -> None:
+                 max_batch_entries: int, arena: Arena | None = None) -> None:
         self.index = index
         self._source, self._args, self._engine, self._staging = source, args, engine, staging
+        self._arena = arena  # head slices are gathered here (transfer.staging); None: equal TP only
         self._max = min(max_batch_entries, engine.max_batch_entries)
         self._queue: queue.Queue[Chunk | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"pdc-transfer-worker-{index}", daemon=True)
-        #: Descriptors this worker handed to the engine (observability and tests).
+        #: Descriptors and bytes this worker handed to the engine (observability and tests).
         self.descriptors_written = 0
+        self.bytes_written = 0
         stop_rank = envs.FAULT_STOP_RANK.get()  # fault injection; -1: off
         self._stop_room = envs.FAULT_STOP_BEFORE_WRITE_ROOM.get() if stop_rank in (-1, args.tp_rank) else -1
 
@@ -122,8 +126,23 @@ class TransferWorker:
     def _process(self, group: list[Chunk]) -> None:
         pinned: list[Chunk] = []
         errors: dict[int, tuple[str, str | None]] = {}  # room -> (error, dead decode session)
+        per_session: dict[str, list[tuple[int, d.Descriptors]]] = {}
+
+        def flush() -> None:
+            """Write everything collected so far; the arena bytes it read are free again after."""
+            for session, items in per_session.items():
+                self._write(session, items, errors)
+            per_session.clear()
+            if self._arena is not None:
+                self._arena.reset()
+
+        def reserve(nbytes: int) -> int:
+            assert self._arena is not None
+            if not self._arena.fits(nbytes):
+                flush()
+            return self._arena.take(nbytes)
+
         try:
-            per_session: dict[str, list[tuple[int, d.Descriptors]]] = {}
             for chunk in group:
                 targets = self._source.begin_chunk(chunk)
                 if targets is None:
@@ -131,12 +150,14 @@ class TransferWorker:
                 pinned.append(chunk)
                 try:
                     for t in targets:
-                        desc = self._descriptors(chunk, t, staging_row=self.index * GROUP_MAX + len(pinned) - 1)
-                        per_session.setdefault(t.info.session_id, []).append((chunk.room, desc))
+                        def emit(desc: d.Descriptors, room: int = chunk.room, session: str = t.info.session_id) -> None:
+                            if len(desc):
+                                per_session.setdefault(session, []).append((room, desc))
+
+                        self._descriptors(chunk, t, self.index * GROUP_MAX + len(pinned) - 1, reserve, emit)
                 except Exception as exc:
                     errors[chunk.room] = (f"transfer worker error: {exc!r}", None)
-            for session, items in per_session.items():
-                self._write(session, items, errors)
+            flush()
         except Exception as exc:
             for chunk in pinned:
                 errors.setdefault(chunk.room, (f"transfer worker error: {exc!r}", None))
@@ -172,23 +193,31 @@ class TransferWorker:
                     errors[room] = (error, session)
                 return
             self.descriptors_written += len(desc)
+            self.bytes_written += sum(desc.lens)
 
-    def _descriptors(self, chunk: Chunk, t: Target, staging_row: int) -> d.Descriptors:
-        args = self._args
+    def _descriptors(self, chunk: Chunk, t: Target, staging_row: int, reserve: Callable[[int], int],
+                     emit: Callable[[d.Descriptors], None]) -> None:
+        """Hand the chunk's descriptors for one decode rank to ``emit``: its head slices (none for
+        a decode rank that only told an unused replica of the room), then, on the last chunk and
+        only from the rank that owns them, the aux row and state."""
+        args, r = self._args, t.route
         n = len(chunk.src_pages)
-        dst_pages = t.info.dst_pages[chunk.dst_offset: chunk.dst_offset + n]
-        desc = d.build(chunk.src_pages, dst_pages, args.kv.ptrs, t.peer.kv_ptrs, args.kv.item_nbytes)
-        if not chunk.last:
-            return desc
+        if r.slices and r.direct:
+            dst_pages = t.info.dst_pages[chunk.dst_offset: chunk.dst_offset + n]
+            emit(d.build(chunk.src_pages, dst_pages, args.kv.ptrs, t.peer.kv_ptrs, args.kv.item_nbytes))
+        elif r.slices:
+            slice_descriptors(args, r, chunk.src_pages, chunk.dst_offset, t.info, t.peer, self._arena, reserve,
+                                      emit)
+        if not chunk.last or not r.writes_aux:
+            return
         if chunk.aux is not None and t.info.aux_slot is not None and len(args.aux):
             # The record goes through this worker's staging row, stamped with the room so the
             # decode can tell it from a previous owner's row.
             self._staging.write(staging_row, dataclasses.replace(chunk.aux, room=chunk.room))
-            staging = self._staging.buffers()
-            desc = desc + d.build([staging_row], [t.info.aux_slot], staging.ptrs, t.peer.aux_ptrs[:1], staging.item_nbytes)
+            rows = self._staging.buffers()
+            emit(d.build([staging_row], [t.info.aux_slot], rows.ptrs, t.peer.aux_ptrs[:1], rows.item_nbytes))
         if len(args.state) and chunk.src_state:
-            desc = desc + self._state_descriptors(chunk.src_state, t.info.state_slots, t)
-        return desc
+            emit(self._state_descriptors(chunk.src_state, t.info.state_slots, t))
 
     def _state_descriptors(self, src: Sequence[int], dst: Sequence[int], t: Target) -> d.Descriptors:
         """State items (SWA window pages, Mamba states): same run merging, per state buffer."""

@@ -42,18 +42,26 @@ def test_each_decode_head_arrives_once_from_a_holder(tp_p: int, tp_d: int, num_h
 
 
 @pytest.mark.parametrize("tp_p,tp_d,num_heads", CASES)
-def test_required_dst_info_num_counts_the_decode_ranks_that_name_the_prefill_rank(
+def test_every_prefill_rank_hears_from_its_destinations_or_one_informant(
     tp_p: int, tp_d: int, num_heads: int
 ) -> None:
     m = plan(tp_p, tp_d, num_heads)
     for p in range(tp_p):
         naming = [d for d in range(tp_d) if p in m.sources(d)]
-        assert m.required_dst_info_num(p) == len(naming)
         assert m.destinations(p) == tuple(naming)
-    # every source a decode rank waits for actually sends it something
+        # an unused replica still hears from exactly one decode rank, so its room ends too
+        assert m.informants(p) == (tuple(naming) or (p % tp_d,))
+        assert m.required_dst_info_num(p) == len(m.informants(p)) >= 1
     for d in range(tp_d):
+        # every source a decode rank waits for actually sends it something
         assert all(m.slices_to(p, d) for p in m.sources(d))
         assert m.aux_rank(d) in m.sources(d)
+        # a decode rank contacts its sources and the replicas it informs, nothing else
+        assert m.contacts(d) == tuple(p for p in range(tp_p) if d in m.informants(p))
+        assert set(m.sources(d)) <= set(m.contacts(d))
+    # each prefill rank's TransferInfos come from exactly required_dst_info_num decode ranks
+    for p in range(tp_p):
+        assert sum(p in m.contacts(d) for d in range(tp_d)) == m.required_dst_info_num(p)
 
 
 def test_equal_tp_is_one_slice_from_the_same_rank() -> None:
@@ -72,9 +80,10 @@ def test_replicated_prefill_spreads_the_load_across_replicas() -> None:
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        (dict(prefill_tp=2, decode_tp=3, num_kv_heads=4), "decode tp_size"),
+        (dict(prefill_tp=2, decode_tp=3, num_kv_heads=4), "tp_size: prefill 2 and decode 3 do not divide"),
+        (dict(prefill_tp=2, decode_tp=3, num_kv_heads=6), "tp_size: prefill 2 and decode 3 do not divide"),
         (dict(prefill_tp=3, decode_tp=1, num_kv_heads=4), "prefill tp_size"),
-        (dict(prefill_tp=1, decode_tp=2, num_kv_heads=3), "num_kv_heads"),
+        (dict(prefill_tp=1, decode_tp=2, num_kv_heads=3), "total_kv_heads 3 is not divisible by decode tp_size"),
         (dict(prefill_tp=1, decode_tp=6, num_kv_heads=4), "decode tp_size"),
         (dict(prefill_tp=1, decode_tp=2, num_kv_heads=4, prefill_page_size=16, decode_page_size=32), "page_size"),
         (dict(prefill_tp=1, decode_tp=2, num_kv_heads=4, has_sharded_state=True), "state_layout"),
