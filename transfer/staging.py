@@ -226,3 +226,5 @@ class StagingArea:
                     block = self.buf[off:off + length * sb].view(t.dtype).view(length, lay.page_size, s.num_heads, lay.head_dim)
                     _page_view(t, lay.page_size)[idx, :, lo:hi] = block
             pos += length
+        if self.buf.is_cuda:  # the scheduler reads the pages as soon as the room reports Success
+            torch.cuda.current_stream(self.buf.device).synchronize()

@@ -225,3 +225,67 @@ def test_state_layout_travels_and_is_compared() -> None:
     with pytest.raises(LayoutMismatch, match="prefill none"):
         check_receivable(prefill_layout(), msgspec.structs.replace(decode_layout(), state_shapes=((64, 3),),
                                                                   state_dtype="bfloat16"))
+
+
+# --- tensor parallelism: head ranges and unequal TP -------------------------------------------
+
+def tp_prefill(tp: int, total: int, staging: bool = True, **changes: Any) -> PrefillLayout:
+    heads = total // tp if tp <= total else 1
+    return prefill_layout(tp_size=tp, num_kv_heads=heads, total_kv_heads=total, kv_staging=staging, **changes)
+
+
+def tp_decode(tp: int, total: int, staging: bool = True, **changes: Any) -> DecodeLayout:
+    heads = total // tp if tp <= total else 1
+    return decode_layout(tp_size=tp, num_kv_heads=heads, total_kv_heads=total, kv_staging=staging, **changes)
+
+
+def test_a_rank_registers_the_heads_it_holds() -> None:
+    assert info(engine_rank=1, tp_size=2, num_kv_heads=2, total_kv_heads=4, kv_head_start=2).kv_head_start == 2
+    assert info(engine_rank=3, tp_size=4, num_kv_heads=1, total_kv_heads=2, kv_head_start=1).total_kv_heads == 2
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"total_kv_heads": 4, "kv_head_start": 0}, "rank 1 of tp_size 2 with total_kv_heads 4 holds heads 2..3"),
+    ({"total_kv_heads": 4, "num_kv_heads": 1, "kv_head_start": 2}, "num_kv_heads 1"),  # back-computed wrong
+    ({"total_kv_heads": 3, "kv_head_start": 1}, "not divisible"),
+    ({"total_kv_heads": 4}, "come together"),
+])
+def test_a_head_range_that_contradicts_the_pool_contract_is_refused(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=field):
+        decode(body(**changes))
+
+
+def test_ranks_of_one_node_must_agree_on_total_heads() -> None:
+    reg = Registry()
+    reg.register(info(engine_rank=0, dp_group=0, rank_port=1, total_kv_heads=4, kv_head_start=0))
+    with pytest.raises(RegistryConflict, match="total_kv_heads"):
+        reg.register(info(engine_rank=1, dp_group=0, rank_port=2, total_kv_heads=8, num_kv_heads=4, kv_head_start=4))
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d", "total"), [
+    (p, d, 4) for p in (1, 2, 4) for d in (1, 2, 4)] + [(1, 4, 2), (4, 1, 2), (4, 2, 2), (2, 4, 2)])
+def test_dividing_tp_sizes_are_receivable(tp_p: int, tp_d: int, total: int) -> None:
+    check_receivable(tp_prefill(tp_p, total), tp_decode(tp_d, total))
+
+
+@pytest.mark.parametrize(("prefill", "decode", "field"), [
+    (tp_prefill(2, 6), tp_decode(3, 6), "tp_size: prefill 2 and decode 3 do not divide each other"),
+    (tp_prefill(1, 4), tp_decode(3, 4), "total_kv_heads 4 is not divisible by decode tp_size 3"),
+    (tp_prefill(2, 4), tp_decode(1, 8), "total_kv_heads: prefill 4, decode 8"),
+    (tp_prefill(2, 4), tp_decode(1, 4, page_size=32), "page_size"),
+    (tp_prefill(2, 4), tp_decode(1, 4, head_dim=128), "head_dim"),
+    (tp_prefill(2, 4), tp_decode(1, 4, kv_dtype="float16"), "kv_dtype"),
+    (tp_prefill(2, 4, state_shapes=((64, 3),), state_dtype="bfloat16"),
+     tp_decode(1, 4, state_shapes=((64, 3),), state_dtype="bfloat16"), "state_shapes: per-rank recurrent state"),
+    (tp_prefill(2, 4), tp_decode(1, 4, staging=False), "kv_staging: decode"),
+    (tp_prefill(1, 4, staging=False), tp_decode(2, 4), "kv_staging: prefill"),
+    (prefill_layout(tp_size=2), tp_decode(1, 4), "total_kv_heads: the prefill did not register it"),
+])
+def test_unservable_tp_pairs_name_the_field(prefill: PrefillLayout, decode: DecodeLayout, field: str) -> None:
+    with pytest.raises(LayoutMismatch, match=field):
+        check_receivable(prefill, decode)
+
+
+def test_equal_tp_needs_no_staging_and_accepts_an_older_prefill() -> None:
+    check_receivable(tp_prefill(2, 4, staging=False), tp_decode(2, 4, staging=False))
+    check_receivable(prefill_layout(), decode_layout())  # no total_kv_heads registered: equal TP still works

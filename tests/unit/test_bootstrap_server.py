@@ -201,6 +201,21 @@ def test_layout_query(server: BootstrapServer) -> None:
     assert call(server, "GET", "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1")[0] == 200
 
 
+def test_layout_lookup_for_a_decode_waits_for_every_rank(server: BootstrapServer) -> None:
+    heads = dict(total_kv_heads=4, num_kv_heads=2)
+    register_rank(server.url, rank(engine_rank=0, rank_port=17000, kv_head_start=0, **heads))
+    with pytest.raises(RankNotRegistered, match="1 of 2 ranks registered"):
+        lookup_layout(server.url, timeout_s=0.3, complete=True)
+    late = threading.Timer(0.3, register_rank, (server.url, rank(engine_rank=1, rank_port=17001, kv_head_start=2,
+                                                                **heads)))
+    late.start()
+    try:
+        layout = lookup_layout(server.url, timeout_s=5.0, complete=True)
+    finally:
+        late.join()
+    assert layout.complete and (layout.total_kv_heads, layout.num_kv_heads) == (4, 2)
+
+
 def test_deregister(server: BootstrapServer) -> None:
     register_rank(server.url, rank(engine_rank=0, rank_port=17000, instance_id="i0"))
     register_rank(server.url, rank(engine_rank=1, rank_port=17001, instance_id="i1"))
