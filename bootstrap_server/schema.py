@@ -262,9 +262,9 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
     then receives each of its heads from one prefill rank that holds it, ``transfer.tp_map``);
     any prefill ``dp_size`` (one dp group serves a request). Bytes are copied as they are, so page
     size, dtype, layer count and head_dim must be equal, and both sides must count the same
-    model KV heads. Unequal TP moves head slices through staging buffers (the prefill gathers
-    when it holds more heads than it sends, the decode scatters when it holds more than one
-    source sends): the side that must do so needs ``kv_staging``. Per-request recurrent state is
+    model KV heads. Unequal TP moves head slices through staging buffers (the prefill always
+    gathers; the decode scatters when it holds more heads than one source sends): the side that
+    must do so needs ``kv_staging``. Per-request recurrent state is
     per rank and sent whole, so it crosses only equal TP sizes. Backends must be equal when both
     sides name one.
     """
@@ -319,9 +319,10 @@ def _tp_problems(prefill: PrefillLayout, decode: DecodeLayout) -> list[str]:
     problems = []
     if prefill.state_shapes:
         problems.append(f"state_shapes: per-rank recurrent state cannot be resharded from tp_size {pt} to {dt}")
-    # Each source slice has min(p_heads, d_heads) heads: the side holding more gathers or scatters.
-    if p_heads > d_heads and not prefill.kv_staging:
-        problems.append(f"kv_staging: prefill ranks hold {p_heads} heads and send {d_heads}, which needs a staging buffer; "
+    # Each source slice has min(p_heads, d_heads) heads; the prefill stages every slice (gathers
+    # it), and the decode scatters when it holds more heads than one source sends.
+    if not prefill.kv_staging:
+        problems.append(f"kv_staging: prefill ranks send head slices to tp_size {dt}, which needs a staging buffer; "
                         "the prefill has none")
     if d_heads > p_heads and not decode.kv_staging:
         problems.append(f"kv_staging: decode ranks hold {d_heads} heads and receive {p_heads} per source, which needs a "

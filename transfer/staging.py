@@ -6,15 +6,17 @@ A page is token-major (``[page_size, heads, head_dim]`` per buffer), so a head s
 buffer (the ~30,000 ops per request of sglang PR 19890). A route is therefore one of::
 
     direct    the slice is every head of both ranks (equal TP): pages -> pages, zero-copy,
-              one descriptor per page run and buffer
+              one descriptor per page run and buffer, as without TP
     gather    the prefill holds more heads than it sends (Tp < Td): its worker copies the slice of
               a chunk's pages into its registered staging arena as ``[buffer][page][page_size, n,
               head_dim]``, whose rows are exactly the decode's rows: arena -> decode pages, one
-              descriptor per destination page run and buffer
-    scatter   the decode holds more heads than one source sends (Tp > Td): the source writes its
-              whole rows into the room's pages of the decode's staging area, laid out per extent
-              as ``[buffer][slice][page][page_size, n, head_dim]`` (contiguous per slice), one
-              descriptor per source page run and buffer; the decode copies them into its pool
+              descriptor per destination page run and buffer (what equal TP costs)
+    scatter   the decode holds more heads than one source sends (Tp > Td): the source gathers its
+              slice page-major, ``[page][buffer][...]``, into its arena and writes it into the
+              room's pages of the decode's staging area, laid out per extent and slice the same
+              way: one descriptor per chunk and extent, all buffers at once (a source's buffers
+              are separate tensors, so without the gather it would cost page runs x buffers,
+              times Tp/Td sources per decode rank). The decode copies the slices into its pool
               pages when every source reported Success, before the room reports Success
 
 ``Route`` is computed from the plan (``transfer.tp_map``) on both sides alike. The decode's staging
@@ -96,21 +98,27 @@ def _page_view(t: torch.Tensor, page_size: int) -> torch.Tensor:
     return t.view(t.shape[0] // page_size, page_size, *t.shape[1:])
 
 
-def _dst_parts(r: Route, s: HeadSlice, info: m.TransferInfo, peer: m.KVArgsRegister, first: int, count: int,
-               unit: int) -> Iterator[tuple[int, int, list[int], list[int]]]:
-    """Where room pages ``first .. first+count`` of slice ``s`` land on the decode, in parts:
-    (offset into those pages, pages, destination pointer per buffer, destination item indices)."""
-    if not r.scatter:
-        yield 0, count, list(peer.kv_ptrs), info.dst_pages[first:first + count]
-        return
+def _pool_parts(s: HeadSlice, info: m.TransferInfo, peer: m.KVArgsRegister, first: int,
+                count: int) -> Iterator[tuple[int, int, list[int], list[int]]]:
+    """Room pages ``first .. first+count`` in the decode's pool: (offset, pages, pointer per
+    buffer, destination pages)."""
+    yield 0, count, list(peer.kv_ptrs), info.dst_pages[first:first + count]
+
+
+def _staging_parts(r: Route, s: HeadSlice, info: m.TransferInfo, peer: m.KVArgsRegister, first: int, count: int,
+                   unit: int, nbuf: int) -> Iterator[tuple[int, int, int]]:
+    """Room pages ``first .. first+count`` of slice ``s`` in the decode's staging extents, in
+    parts: (offset into those pages, pages, address of the first one). Within an extent of
+    ``length`` pages the slice's block is ``[page][buffer][page_size, n, head_dim]``, so a run of
+    room pages is one contiguous range for every buffer at once."""
     page_nbytes = sum(peer.kv_item_nbytes)  # one staging page: one decode page in every buffer
+    sb = s.num_heads * unit
     pos = 0  # room page index where the current extent starts
     for start, length in info.staging:
         lo, hi = max(first, pos), min(first + count, pos + length)
         if lo < hi:
-            ptrs = [peer.staging_ptr + start * page_nbytes + (b * r.decode_heads + s.dst_head_offset) * length * unit
-                    for b in range(len(peer.kv_ptrs))]
-            yield lo - first, hi - lo, ptrs, list(range(lo - pos, hi - pos))
+            block = peer.staging_ptr + start * page_nbytes + s.dst_head_offset * length * nbuf * unit
+            yield lo - first, hi - lo, block + (lo - pos) * nbuf * sb
         pos += length
 
 
@@ -121,36 +129,42 @@ def slice_descriptors(args: KVArgs, r: Route, src_pages: Sequence[int], first: i
     non-direct route, handed to ``emit`` piece by piece. ``reserve(nbytes)`` returns an arena
     offset, first writing out what was emitted so far if the arena is full: so a gathered piece
     is always emitted before its arena bytes can be reused."""
+    assert arena is not None, "a staged route needs the staging arena (checked at registration)"
     lay = args.layout
     nbuf = len(args.kv)
     unit = args.kv.item_nbytes[0] // lay.num_kv_heads  # one head over one page
     for s in r.slices:
         sb = s.num_heads * unit  # one page of the slice, in one buffer
-        if not r.gather:  # whole source rows: straight from the pool pages
-            for off, cnt, dst_ptrs, dst_idx in _dst_parts(r, s, info, peer, first, len(src_pages), unit):
-                emit(d.build(src_pages[off:off + cnt], dst_idx, args.kv.ptrs, dst_ptrs, [sb] * nbuf))
-            continue
-        assert arena is not None, "a gather route needs the staging arena (checked at registration)"
         per_piece = max(1, arena.nbytes // (nbuf * sb))
         for i in range(0, len(src_pages), per_piece):
             pages = list(src_pages[i:i + per_piece])
             n = len(pages)
             base = reserve(nbuf * n * sb)
-            _gather(args, pages, s, arena, base, n * sb)
-            src_ptrs = [arena.ptr + base + b * n * sb for b in range(nbuf)]
-            for off, cnt, dst_ptrs, dst_idx in _dst_parts(r, s, info, peer, first + i, n, unit):
-                emit(d.build(list(range(off, off + cnt)), dst_idx, src_ptrs, dst_ptrs, [sb] * nbuf))
+            if r.scatter:  # [page][buffer]: a page run is one range for all buffers, on both sides
+                _gather(args, pages, s, arena, base, page_major=True)
+                for off, cnt, dst in _staging_parts(r, s, info, peer, first + i, n, unit, nbuf):
+                    emit(d.Descriptors([arena.ptr + base + off * nbuf * sb], [dst], [cnt * nbuf * sb]))
+            else:  # [buffer][page]: the decode's pool rows are the slice, one range per buffer and page run
+                _gather(args, pages, s, arena, base, page_major=False)
+                src_ptrs = [arena.ptr + base + b * n * sb for b in range(nbuf)]
+                for off, cnt, dst_ptrs, dst_idx in _pool_parts(s, info, peer, first + i, n):
+                    emit(d.build(list(range(off, off + cnt)), dst_idx, src_ptrs, dst_ptrs, [sb] * nbuf))
 
 
-def _gather(args: KVArgs, pages: list[int], s: HeadSlice, arena: Arena, base: int, block_nbytes: int) -> None:
-    """Copy heads ``s`` of ``pages`` of every buffer into the arena, ``[buffer][page][page_size, n, head_dim]``."""
+def _gather(args: KVArgs, pages: list[int], s: HeadSlice, arena: Arena, base: int, page_major: bool) -> None:
+    """Copy heads ``s`` of ``pages`` of every buffer into the arena at ``base``, as
+    ``[page][buffer][page_size, n, head_dim]`` (``page_major``) or ``[buffer][page][...]``."""
     lay = args.layout
-    n = len(pages)
+    n, nbuf = len(pages), len(args.kv_tensors)
     idx = torch.as_tensor(pages, dtype=torch.long, device=args.kv_tensors[0].device)
     lo, hi = s.src_head_offset, s.src_head_offset + s.num_heads
+    dtype = args.kv_tensors[0].dtype
+    nbytes = n * nbuf * lay.page_size * s.num_heads * lay.head_dim * dtype.itemsize
+    region = arena.buf[base:base + nbytes].view(dtype)
+    shape = (n, nbuf) if page_major else (nbuf, n)
+    out = region.view(*shape, lay.page_size, s.num_heads, lay.head_dim)
     for b, t in enumerate(args.kv_tensors):
-        block = arena.buf[base + b * block_nbytes: base + (b + 1) * block_nbytes].view(t.dtype)
-        block.view(n, lay.page_size, s.num_heads, lay.head_dim).copy_(_page_view(t, lay.page_size)[idx][:, :, lo:hi])
+        (out[:, b] if page_major else out[b]).copy_(_page_view(t, lay.page_size)[idx][:, :, lo:hi])
     if arena.buf.is_cuda:  # the engine reads the arena as soon as the write starts
         torch.cuda.current_stream(arena.buf.device).synchronize()
 
@@ -208,23 +222,24 @@ class StagingArea:
     def scatter(self, args: KVArgs, slices: Sequence[HeadSlice], dst_pages: Sequence[int],
                 extents: Sequence[tuple[int, int]]) -> None:
         """Copy the room's staged head slices into its pool pages (every slice of this rank that
-        does not cover all its heads; the others were written in place)."""
+        does not cover all its heads; the others were written in place). Per extent of ``length``
+        pages, slice ``s``'s block is ``[page][buffer][page_size, n, head_dim]``."""
         lay = args.layout
-        heads = lay.num_kv_heads
+        heads, nbuf = lay.num_kv_heads, len(args.kv_tensors)
         unit = args.kv.item_nbytes[0] // heads
-        device = args.kv_tensors[0].device
+        dtype, device = args.kv_tensors[0].dtype, args.kv_tensors[0].device
         pos = 0
         for start, length in extents:
             idx = torch.as_tensor(list(dst_pages[pos:pos + length]), dtype=torch.long, device=device)
             for s in slices:
                 if s.num_heads == heads:
                     continue
-                sb = s.num_heads * unit
+                off = start * self.page_nbytes + s.dst_head_offset * length * nbuf * unit
+                block = self.buf[off:off + length * nbuf * s.num_heads * unit].view(dtype)
+                block = block.view(length, nbuf, lay.page_size, s.num_heads, lay.head_dim)
                 lo, hi = s.dst_head_offset, s.dst_head_offset + s.num_heads
                 for b, t in enumerate(args.kv_tensors):
-                    off = start * self.page_nbytes + (b * heads + s.dst_head_offset) * length * unit
-                    block = self.buf[off:off + length * sb].view(t.dtype).view(length, lay.page_size, s.num_heads, lay.head_dim)
-                    _page_view(t, lay.page_size)[idx, :, lo:hi] = block
+                    _page_view(t, lay.page_size)[idx, :, lo:hi] = block[:, b]
             pos += length
         if self.buf.is_cuda:  # the scheduler reads the pages as soon as the room reports Success
             torch.cuda.current_stream(self.buf.device).synchronize()

@@ -64,8 +64,8 @@ def peer_route(args: KVArgs, peer: m.KVArgsRegister) -> staging.Route | str:
     want = [unit * r.decode_heads] * len(args.kv)
     if list(peer.kv_item_nbytes) != want:
         return f"KV page bytes per buffer {peer.kv_item_nbytes[:2]}.. != {want[:2]}.. (decode rank {peer.tp_rank} of {peer.tp_size})"
-    if r.gather and not args.can_stage:
-        return f"kv_staging: this prefill rank would gather head slices for tp_size {peer.tp_size} but has no staging"
+    if not r.direct and not args.can_stage:
+        return f"kv_staging: this prefill rank stages head slices for tp_size {peer.tp_size} but has no staging"
     if r.scatter and not peer.staging_nbytes:
         return f"kv_staging: decode rank {peer.tp_rank} receives head slices from tp_size {args.tp_size} but has no staging"
     return r
