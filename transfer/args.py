@@ -46,7 +46,7 @@ class KVArgs:
     total_kv_heads: int | None = None
     # The KV buffers as tensors (transfer order, the memory ``kv`` points at): staging gathers
     # from and scatters into them. Empty: this rank cannot stage (equal TP only).
-    kv_tensors: tuple[torch.Tensor, ...] = ()
+    kv_tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
     # Staging room, in pages of this rank's KV (all layers, K and V): per transfer worker on a
     # prefill (a larger chunk goes in pieces), the shadow area rooms take pages from on a decode
     # (as many as the pool's pages never runs out). 0: no staging.
@@ -68,9 +68,8 @@ class KVArgs:
             if tuple(t.data_ptr() for t in self.kv_tensors) != self.kv.ptrs:
                 raise ValueError("kv_tensors must be the tensors the KV buffers point at, in transfer order")
             lay = self.layout
-            want = (lay.page_size, lay.num_kv_heads, lay.head_dim)
-            if any(not t.is_contiguous() or t.dim() != 3 or t.shape[0] % lay.page_size or tuple(t.shape[1:]) != want[1:]
-                   for t in self.kv_tensors):
+            if any(not t.is_contiguous() or t.dim() != 3 or t.shape[0] % lay.page_size
+                   or tuple(t.shape[1:]) != (lay.num_kv_heads, lay.head_dim) for t in self.kv_tensors):
                 raise ValueError(f"kv_tensors must be contiguous [slots, {lay.num_kv_heads}, {lay.head_dim}] pool buffers")
         if self.staging_pages < 0:
             raise ValueError(f"staging_pages must be >= 0, got {self.staging_pages}")

@@ -312,8 +312,8 @@ def refusal(groups: list[Group], url: str, field: str, **kw: object) -> None:
         while recv.poll() is not KVPoll.Failed:
             assert time.monotonic() - t0 < 1.0, f"decode still {recv.poll().name}"
             time.sleep(0.005)
-        assert "LayoutMismatch" in (recv.failure_reason or "") or "decode cannot receive" in (recv.failure_reason or "")
-        assert field in (recv.failure_reason or ""), recv.failure_reason
+        reason = recv.failure_reason or ""
+        assert "decode cannot receive this prefill's KV cache" in reason and field in reason, reason
     for sender in senders:
         while sender.poll() is not KVPoll.Failed:
             assert time.monotonic() - t0 < 1.0, f"prefill sender still {sender.poll().name}"
