@@ -135,6 +135,20 @@ def test_hung_source_fences_the_room_and_its_staging_until_it_answers(cluster: C
     idle(g)
 
 
+def test_killed_source_fails_the_room_within_the_heartbeat_bound_without_a_fence(cluster: Cluster) -> None:
+    g = tp_group(cluster, 2, 1, 4, cfg=HOLD_CFG)
+    senders, (recv,) = handshake(g, 12, [5, 6])
+    dead = g.prefills[1]
+    dead._push.send = lambda endpoint, msg: True  # type: ignore[method-assign]  # dies without a word
+    dead.close()  # its control port now refuses connections, as after SIGKILL
+    st, took = until_terminal(recv, timeout=5)
+    assert st is KVPoll.Failed and not recv.fenced()
+    assert took <= HOLD_CFG.heartbeat_bound_s + 1.0
+    assert until_terminal(senders[0])[0] is KVPoll.Failed  # the live rank was aborted
+    assert until_terminal(senders[1])[0] is KVPoll.Failed
+    idle(g)
+
+
 def test_incomplete_prefill_layout_fails_at_lookup(cluster: Cluster) -> None:
     args, _ = side(2, 0, 4)
     pm = PrefillKVManager(args, FakeDataPlane(), cluster.boot, ADDR, CFG)  # rank 1 never registers
