@@ -307,6 +307,7 @@ class DecodeKVManager:
 
     def _on_status(self, msg: m.TransferStatus) -> None:
         aborts: DecodeRoom | None = None
+        scatter: DecodeRoom | None = None
         with self._lock:
             if self._fenced.release_rank(msg.room, msg.prefill_rank, f"prefill rank {msg.prefill_rank} answered for it"):
                 self._rooms.changed_locked()
@@ -321,7 +322,7 @@ class DecodeKVManager:
                 self._fail_now_locked(r, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
             elif msg.status == KVPoll.Success:
                 r.answered.setdefault(msg.prefill_rank, True)
-                self._settle_locked(r)
+                scatter = self._settle_locked(r)
             else:
                 started = r.pending_fail is None
                 self._rank_failed_locked(r, msg.prefill_rank, f"prefill rank {msg.prefill_rank}: {msg.reason or 'failed'}")
@@ -329,6 +330,27 @@ class DecodeKVManager:
                     aborts = r
         if aborts is not None:
             self._send_abort(aborts, aborts.pending_fail or "failed")
+        if scatter is not None:
+            self._scatter(scatter)
+
+    def _scatter(self, r: DecodeRoom) -> None:
+        """Copy a room's staged slices into its pages, outside the lock (a memcpy of the room's
+        KV on CPU must not stall the scheduler's calls), then finish it. Every source has
+        answered, so nothing else writes the staging pages; ``scattering`` keeps every other
+        path from releasing them meanwhile (a failure decided now is applied after the copy)."""
+        assert self._staging is not None
+        error = None
+        try:
+            self._staging.scatter(self.args, r.slices, r.dst_pages, r.staging)
+        except Exception as exc:
+            log.exception("room %d: scatter from staging failed", r.room)
+            error = f"scatter from staging failed: {exc!r}"
+        with self._lock:
+            r.scattering = False
+            if error is not None or r.pending_fail is not None:
+                self._fail_now_locked(r, error or r.pending_fail or "failed")
+            elif self._rooms.advance_locked(r, KVPoll.Success):
+                self._drop_staging_locked(r)
 
     # --- heartbeat thread ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -352,7 +374,7 @@ class DecodeKVManager:
                 if r.status.terminal:
                     continue
                 if r.pending_fail is not None:
-                    if now >= r.fence_deadline:
+                    if now >= r.fence_deadline and not r.scattering:
                         log.error("room %d: no answer from prefill ranks %s by the fence deadline; failing it", r.room,
                                   r.silent_sources())
                         # no proof the silent ranks' writes ended: hold the pages (and staging)
@@ -380,7 +402,11 @@ class DecodeKVManager:
 
     def _fail_now_locked(self, r: DecodeRoom, reason: str) -> None:
         """Failed, now: no write can land (nothing was sent, or every source answered or is
-        gone), or the silent ones were just fenced. Staging pages go back unless fenced."""
+        gone), or the silent ones were just fenced. Staging pages go back unless fenced. During
+        a scatter the failure waits for its end (``_scatter`` applies it)."""
+        if r.scattering:
+            r.pending_fail = r.pending_fail or reason
+            return
         if self._rooms.advance_locked(r, KVPoll.Failed, reason):
             self._drop_staging_locked(r)
 
@@ -409,25 +435,21 @@ class DecodeKVManager:
             self._begin_abort_locked(r, reason)
         self._settle_locked(r)
 
-    def _settle_locked(self, r: DecodeRoom) -> None:
+    def _settle_locked(self, r: DecodeRoom) -> DecodeRoom | None:
         """Finish the room if its sources allow: all answered after a failure -> Failed; all said
-        Success -> staged slices into the pool pages, then Success."""
-        if r.status.terminal or r.silent_sources():
-            return
+        Success -> Success, or, when slices wait in staging, the room to scatter first (returned,
+        marked ``scattering``: the caller runs ``_scatter`` outside the lock)."""
+        if r.status.terminal or r.scattering or r.silent_sources():
+            return None
         if r.pending_fail is not None or not all(r.answered[p] for p in r.sources):
             self._fail_now_locked(r, r.pending_fail or "a prefill rank failed")
-            return
-        if r.staging and self._staging is not None:
-            try:
-                # Under the lock, on the status thread: a copy of one room's slices, and the room
-                # must not be released (its pages reused) while it runs.
-                self._staging.scatter(self.args, r.slices, r.dst_pages, r.staging)
-            except Exception as exc:
-                log.exception("room %d: scatter from staging failed", r.room)
-                self._fail_now_locked(r, f"scatter from staging failed: {exc!r}")
-                return
+            return None
+        if r.staging:
+            r.scattering = True
+            return r
         if self._rooms.advance_locked(r, KVPoll.Success):
             self._drop_staging_locked(r)
+        return None
 
     def _begin_abort_locked(self, r: DecodeRoom, reason: str) -> str:
         r.pending_fail = reason

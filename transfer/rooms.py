@@ -89,6 +89,7 @@ class DecodeRoom:
     scatter: bool = False  # some land in staging pages first (transfer.staging)
     dst_pages: list[int] = field(default_factory=list)
     staging: list[tuple[int, int]] = field(default_factory=list)  # staging extents held (scatter only)
+    scattering: bool = False  # every source said Success; the status thread copies staging -> pages
     info_sent_at: float | None = None  # TransferInfo queued: the prefill may write from now on
     pending_fail: str | None = None  # failure decided, waiting for the fence
     fence_deadline: float = field(default=float("inf"))

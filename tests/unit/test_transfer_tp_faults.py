@@ -4,6 +4,8 @@ gone), every rank of both sides reaches a terminal state, and the decode's stagi
 back exactly when its pages may be reused (a fenced room keeps them until the fence lifts)."""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -146,6 +148,35 @@ def test_killed_source_fails_the_room_within_the_heartbeat_bound_without_a_fence
     assert took <= HOLD_CFG.heartbeat_bound_s + 1.0
     assert until_terminal(senders[0])[0] is KVPoll.Failed  # the live rank was aborted
     assert until_terminal(senders[1])[0] is KVPoll.Failed
+    idle(g)
+
+
+def test_abort_during_the_scatter_waits_for_the_copy(cluster: Cluster) -> None:
+    g = tp_group(cluster, 2, 1, 4)
+    dm = g.decodes[0]
+    area = dm._staging
+    assert area is not None
+    copying, go = threading.Event(), threading.Event()
+    real = area.scatter
+
+    def slow(*a: object) -> None:
+        copying.set()
+        go.wait(10)
+        real(*a)  # type: ignore[arg-type]
+
+    area.scatter = slow  # type: ignore[method-assign]
+    senders, (recv,) = handshake(g, 13, [5, 6])
+    for sender in senders:
+        sender.send([1, 2], last_chunk=True, aux=AuxRecord(room=0, token_id=1, cached_tokens=0))
+    assert copying.wait(5)
+    recv.abort("client went away")
+    time.sleep(CFG.heartbeat_bound_s + CFG.hung_peer_quarantine_s + 0.3)  # past the abort's fence deadline
+    # still copying into the room's pages: not terminal (the caller must not free them), staging held
+    assert recv.poll() is KVPoll.Transferring and dm.staging_pages_in_use() == 2
+    go.set()
+    assert until_terminal(recv)[0] is KVPoll.Failed and "client went away" in (recv.failure_reason or "")
+    for sender in senders:
+        assert until_terminal(sender)[0] is KVPoll.Success
     idle(g)
 
 
