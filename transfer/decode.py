@@ -191,22 +191,23 @@ class DecodeKVManager:
             if r.status is not KVPoll.WaitingForInput or not r.resolved:
                 raise TransferError(f"init() in state {r.status.name}; wait for WaitingForInput", room)
             dst_pages = index_list(pages)
-            if r.scatter:
-                extents = None if self._staging is None else self._staging.alloc(len(dst_pages))
-                if extents is None:
-                    free = 0 if self._staging is None else self._staging.free_pages()
-                    self._rooms.advance_locked(r, KVPoll.Failed, f"decode staging full: {len(dst_pages)} pages wanted, "
-                                                                 f"{free} free (size staging_pages to the KV pool)")
-                    return
-                r.staging = extents
-            r.dst_pages = dst_pages
-            sends = [(peer.endpoint, m.TransferInfo(
-                room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
-                status_endpoint=self.status_endpoint, dst_pages=dst_pages,
-                aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
-                prompt_digest=prompt_digest, required_dst_info_num=r.required[p], staging=list(r.staging),
-            ), p) for p, peer in r.links.items()]
-            r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
+            extents = None if not r.scatter or self._staging is None else self._staging.alloc(len(dst_pages))
+            if r.scatter and extents is None:
+                free = 0 if self._staging is None else self._staging.free_pages()
+                refused = f"decode staging full: {len(dst_pages)} pages wanted, {free} free (size staging_pages to the KV pool)"
+                self._fail_now_locked(r, refused)  # nothing was sent yet
+            else:
+                refused = None
+                r.staging, r.dst_pages = extents or [], dst_pages
+                sends = [(peer.endpoint, m.TransferInfo(
+                    room=room, session_id=self.engine.session_id, instance_id=self.instance_id,
+                    status_endpoint=self.status_endpoint, dst_pages=dst_pages,
+                    aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
+                    prompt_digest=prompt_digest, required_dst_info_num=r.required[p], staging=list(r.staging),
+                ), p) for p, peer in r.links.items()]
+                r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
+        if refused is not None:  # the prefill ranks hear it now, not at their bootstrap timeout
+            return self._send_abort(r, refused)
         unsent = [(endpoint, p) for endpoint, info, p in sends if not self._push.send(endpoint, info)]
         if unsent:
             # Not queued, so never delivered: those ranks write nothing; the others are aborted.

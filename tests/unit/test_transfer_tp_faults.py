@@ -34,11 +34,11 @@ HOLD_CFG = KVManagerConfig(**{**CFG.__dict__, "waiting_timeout_s": 30.0})
 PAGES = 16
 
 
-def side(tp: int, rank: int, total: int) -> tuple:
+def side(tp: int, rank: int, total: int, staging: int = PAGES) -> tuple:
     lay = KVLayout(num_layers=2, num_kv_heads=rank_heads(tp, total, rank).count, head_dim=4, page_size=4, dtype="float32")
     pool, aux = KVPool(lay, PAGES, "cpu"), AuxPool(4, top_k=2)
     return node_kv_args(pool, None, aux, "127.0.0.1", tp_rank=rank, tp_size=tp, total_kv_heads=total,
-                        staging_pages=PAGES), aux
+                        staging_pages=staging), aux
 
 
 @dataclass
@@ -47,14 +47,15 @@ class TP:
     decodes: list[DecodeKVManager]
 
 
-def tp_group(cluster: Cluster, tp_p: int, tp_d: int, total: int, cfg: KVManagerConfig = CFG) -> TP:
+def tp_group(cluster: Cluster, tp_p: int, tp_d: int, total: int, cfg: KVManagerConfig = CFG,
+             decode_staging: int = PAGES) -> TP:
     prefills, decodes = [], []
     for p in range(tp_p):
         args, _ = side(tp_p, p, total)
         prefills.append(PrefillKVManager(args, FakeDataPlane(), cluster.boot, ADDR, cfg))
         cluster.managers.append(prefills[-1])
     for d in range(tp_d):
-        args, _ = side(tp_d, d, total)
+        args, _ = side(tp_d, d, total, decode_staging)
         decodes.append(DecodeKVManager(args, FakeDataPlane(), cluster.boot, cfg))
         cluster.managers.append(decodes[-1])
     return TP(prefills, decodes)
@@ -177,6 +178,19 @@ def test_abort_during_the_scatter_waits_for_the_copy(cluster: Cluster) -> None:
     assert until_terminal(recv)[0] is KVPoll.Failed and "client went away" in (recv.failure_reason or "")
     for sender in senders:
         assert until_terminal(sender)[0] is KVPoll.Success
+    idle(g)
+
+
+def test_a_room_larger_than_the_free_staging_fails_at_init_and_tells_every_source(cluster: Cluster) -> None:
+    g = tp_group(cluster, 2, 1, 4, decode_staging=2)
+    senders = [pm.create_sender(14) for pm in g.prefills]
+    recv = g.decodes[0].create_receiver(14, ADDR)
+    wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+    recv.init([5, 6, 7], 0)  # 3 pages to scatter, 2 staging pages
+    assert recv.poll() is KVPoll.Failed and "decode staging full: 3 pages wanted, 2 free" in (recv.failure_reason or "")
+    for sender in senders:  # told at once, not at their bootstrap timeout
+        st, took = until_terminal(sender)
+        assert st is KVPoll.Failed and took < 0.5
     idle(g)
 
 
