@@ -96,8 +96,7 @@ class PrefillControl:
             self._push.send(msg.status_endpoint, m.Pong(seq=msg.seq, endpoint=self._endpoint, instance_id=self._instance_id))
 
     def _on_register(self, msg: m.KVArgsRegister) -> None:
-        route = wire.peer_route(self._args, msg)
-        reason = route if isinstance(route, str) else None
+        route = wire.peer_route(self._args, msg)  # a Route, or why we cannot serve this decode rank
         with self._lock:
             old = self._peers.get(msg.session_id)
             if old is not None and old.instance_id != msg.instance_id:
@@ -109,10 +108,11 @@ class PrefillControl:
                 self._peers[msg.session_id] = msg
                 self._routes[msg.session_id] = route
                 self._rejected.pop(msg.session_id, None)
-        if reason is not None:
-            log.error("rejecting KV args from decode %s: %s", msg.session_id, reason)
+        if isinstance(route, str):
+            log.error("rejecting KV args from decode %s: %s", msg.session_id, route)
         else:
-            log.info("decode %s registered (rank %d, %d KV buffers)", msg.session_id, msg.tp_rank, len(msg.kv_ptrs))
+            log.info("decode %s registered (rank %d of %d, %d KV buffers, %d head slice(s))", msg.session_id,
+                     msg.tp_rank, msg.tp_size, len(msg.kv_ptrs), len(route.slices))
 
     def _refuse_session(self, msg: m.ToPrefill, reason: str) -> None:
         """A decode we cannot answer: refuse its session like a layout we cannot serve.

@@ -10,6 +10,9 @@ from transfer.args import KVArgs
 from transfer.base import DataPlane
 
 
+MAX_TP_SIZE = 1024  # far above any TP group a node runs; bounds what a peer's message makes us plan
+
+
 def register_message(args: KVArgs, session_id: str, instance_id: str, status_endpoint: str,
                      staging_area: tuple[int, int] = (0, 0)) -> m.KVArgsRegister:
     """The decode's one-time description of its buffers for a prefill rank; ``staging_area``:
@@ -54,8 +57,8 @@ def peer_route(args: KVArgs, peer: m.KVArgsRegister) -> staging.Route | str:
         return f"total_kv_heads {peer.total_kv_heads} != {args.total_kv_heads} (tp_size {peer.tp_size} vs {args.tp_size})"
     if len(args.state) and peer.tp_size != args.tp_size:
         return f"state_layout: per-rank recurrent state cannot be resharded from tp_size {args.tp_size} to {peer.tp_size}"
-    if not 0 <= peer.tp_rank < peer.tp_size:
-        return f"tp_rank {peer.tp_rank} outside tp_size {peer.tp_size}"
+    if not 0 <= peer.tp_rank < peer.tp_size <= MAX_TP_SIZE:  # a garbage size must not cost a huge plan
+        return f"tp_rank {peer.tp_rank} / tp_size {peer.tp_size} out of range (tp_size at most {MAX_TP_SIZE})"
     try:
         r = staging.route(args.tp_size, args.tp_rank, peer.tp_size, peer.tp_rank, total)
     except LayoutMismatch as exc:
