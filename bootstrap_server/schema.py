@@ -222,12 +222,15 @@ class DecodeLayout(msgspec.Struct, kw_only=True, frozen=True):
     transfer_backend: str | None = None
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_dtype: str | None = None
-    total_kv_heads: int | None = None  # None: tp_size 1 (then it is num_kv_heads)
+    total_kv_heads: int | None = None  # None: unknown (at tp_size 1 it is num_kv_heads)
     kv_staging: bool = False  # can scatter head slices from a registered staging area
 
     @property
-    def model_kv_heads(self) -> int:
-        return self.num_kv_heads if self.total_kv_heads is None else self.total_kv_heads
+    def model_kv_heads(self) -> int | None:
+        """The model's KV heads, None when unknown."""
+        if self.total_kv_heads is None and self.tp_size == 1:
+            return self.num_kv_heads
+        return self.total_kv_heads
 
     @classmethod
     def from_kv_layout(
@@ -287,7 +290,7 @@ def check_receivable(prefill: PrefillLayout, decode: DecodeLayout) -> None:
         if prefill.num_kv_heads != decode.num_kv_heads:
             differ("num_kv_heads x head_dim per rank", f"{prefill.num_kv_heads}x{prefill.head_dim}",
                    f"{decode.num_kv_heads}x{decode.head_dim}")
-        if prefill.total_kv_heads is not None and prefill.total_kv_heads != decode.model_kv_heads:
+        if None not in (prefill.total_kv_heads, decode.model_kv_heads) and prefill.total_kv_heads != decode.model_kv_heads:
             differ("total_kv_heads", prefill.total_kv_heads, decode.model_kv_heads)
     else:
         problems.extend(_tp_problems(prefill, decode))
@@ -307,6 +310,8 @@ def _tp_problems(prefill: PrefillLayout, decode: DecodeLayout) -> list[str]:
     if prefill.total_kv_heads is None:
         return [f"total_kv_heads: the prefill did not register it (tp_size {pt}), so a decode of tp_size {dt} "
                 "cannot tell which heads each rank holds"]
+    if decode.model_kv_heads is None:
+        return [f"total_kv_heads: the decode does not know it (tp_size {dt}), so it cannot receive from tp_size {pt}"]
     if prefill.total_kv_heads != decode.model_kv_heads:
         return [f"total_kv_heads: prefill {prefill.total_kv_heads}, decode {decode.model_kv_heads}"]
     total = prefill.total_kv_heads

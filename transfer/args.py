@@ -42,7 +42,8 @@ class KVArgs:
     dp_rank: int = 0
     dp_size: int = 1
     host: str = "127.0.0.1"  # address peers reach this rank's control and data planes on
-    # The model's KV heads; None only at tp_size 1, where it is the pool's own head count.
+    # The model's KV heads. None: the pool's own count at tp_size 1; unknown above (the rank
+    # then serves or receives only its own TP size: it cannot tell which heads a peer holds).
     total_kv_heads: int | None = None
     # The KV buffers as tensors (transfer order, the memory ``kv`` points at): staging gathers
     # from and scatters into them. Empty: this rank cannot stage (equal TP only).
@@ -53,15 +54,12 @@ class KVArgs:
     staging_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.total_kv_heads is None:
-            if self.tp_size != 1:
-                raise ValueError(f"total_kv_heads is required at tp_size {self.tp_size} (never back-computed)")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.total_kv_heads is None and self.tp_size == 1:
             object.__setattr__(self, "total_kv_heads", self.layout.num_kv_heads)
-        try:
-            heads = self.heads
-        except LayoutMismatch as exc:
-            raise ValueError(str(exc)) from None
-        if heads.count != self.layout.num_kv_heads:
+        heads = self.heads
+        if heads is not None and heads.count != self.layout.num_kv_heads:
             raise ValueError(f"rank {self.tp_rank} of tp_size {self.tp_size} with {self.total_kv_heads} KV heads holds "
                              f"{heads.count}, but its pool has {self.layout.num_kv_heads}")
         if self.kv_tensors:
@@ -81,15 +79,19 @@ class KVArgs:
             raise ValueError(f"{len(self.state)} state buffers for state layout {self.state_layout}")
 
     @property
-    def heads(self) -> RankHeads:
-        """The global KV heads this rank's pool holds."""
-        assert self.total_kv_heads is not None  # set by __post_init__
-        return rank_heads(self.tp_size, self.total_kv_heads, self.tp_rank)
+    def heads(self) -> RankHeads | None:
+        """The global KV heads this rank's pool holds (None: the model's count is unknown)."""
+        if self.total_kv_heads is None:
+            return None
+        try:
+            return rank_heads(self.tp_size, self.total_kv_heads, self.tp_rank)
+        except LayoutMismatch as exc:
+            raise ValueError(str(exc)) from None
 
     @property
     def can_stage(self) -> bool:
         """Whether this rank can move head slices (serve or receive another TP size)."""
-        return bool(self.kv_tensors) and self.staging_pages > 0
+        return bool(self.kv_tensors) and self.staging_pages > 0 and self.total_kv_heads is not None
 
     @property
     def page_unit_nbytes(self) -> int:

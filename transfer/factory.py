@@ -32,7 +32,8 @@ def node_kv_args(kv_pool: KVPool, state_pool: StatePool | None, aux: AuxPool, ho
     recurrent-state pool (hybrid models; ``None`` otherwise) and its aux rows, reachable at
     ``host``, as TP rank ``tp_rank`` of ``tp_size``.
 
-    ``total_kv_heads``: the model's KV heads (required when ``tp_size`` > 1). ``staging_pages``
+    ``total_kv_heads``: the model's KV heads (without it a rank of ``tp_size`` > 1 serves or
+    receives only its own TP size; pairs of other sizes are refused at lookup). ``staging_pages``
     > 0 lets the rank serve or receive another TP size (``transfer.staging``): a prefill rank's
     per-worker arena (a chunk larger goes in pieces), a decode rank's staging area (as many pages
     as its KV pool never runs out). The pool tensors go along for the gather and scatter; equal

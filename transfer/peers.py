@@ -31,7 +31,7 @@ from bootstrap_server.schema import DecodeLayout, RankInfo, check_receivable
 
 from transfer.base import BootstrapClient
 from transfer.errors import TransferError
-from transfer.tp_map import HeadSlice, TPMap, plan
+from transfer.tp_map import HeadSlice, TPMap, equal_plan, plan
 
 
 @dataclass
@@ -93,8 +93,11 @@ class PeerCache:
                 raise RankNotRegistered(f"prefill layout incomplete: {layout.registered_ranks} of "
                                         f"{layout.expected_ranks} ranks registered", url=addr, status=404)
             check_receivable(layout, self._layout)  # LayoutMismatch names every bad field
-            total = layout.total_kv_heads or self._layout.model_kv_heads  # None only at equal TP (checked)
-            cached = (layout.dp_size, plan(layout.tp_size, self._layout.tp_size, total))
+            if layout.tp_size == self._layout.tp_size:  # rank r <- rank r, known head counts or not
+                tp = equal_plan(layout.tp_size, self._layout.num_kv_heads)
+            else:  # check_receivable saw both counts, equal
+                tp = plan(layout.tp_size, self._layout.tp_size, self._layout.total_kv_heads or 0)
+            cached = (layout.dp_size, tp)
             with self._lock:
                 self._plans[addr] = cached
         dp_size, tp = cached

@@ -67,6 +67,12 @@ def route(prefill_tp: int, prefill_rank: int, decode_tp: int, decode_rank: int, 
                  required_infos=tp.required_dst_info_num(prefill_rank))
 
 
+def direct_route(rank: int, heads: int) -> Route:
+    """Equal TP: rank r writes all its heads into rank r, as without TP."""
+    return Route(slices=(HeadSlice(rank, 0, 0, heads),), writes_aux=True, gather=False, scatter=False,
+                 decode_heads=heads, informs=True, required_infos=1)
+
+
 class Arena:
     """A prefill worker's registered staging buffer, filled front to back and reset after the
     writes that read it returned (the worker's own bookkeeping: one thread)."""

@@ -20,7 +20,7 @@ from functools import lru_cache
 from bootstrap_server.errors import LayoutMismatch
 from bootstrap_server.heads import RankHeads, check_tp_pair, rank_heads
 
-__all__ = ["HeadSlice", "RankHeads", "TPMap", "plan", "rank_heads"]
+__all__ = ["HeadSlice", "RankHeads", "TPMap", "equal_plan", "plan", "rank_heads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,13 @@ class TPMap:
     def aux_rank(self, decode_rank: int) -> int:
         """The one prefill rank that writes ``decode_rank``'s aux row and state: its lowest source."""
         return self.sources(decode_rank)[0]
+
+
+def equal_plan(tp_size: int, heads_per_rank: int) -> TPMap:
+    """Equal TP sizes: rank r to rank r, all its heads. Needs no model head count (a rank that does
+    not know it still pairs with its own TP size), and is what ``plan`` gives for any count."""
+    recv = tuple((HeadSlice(r, 0, 0, heads_per_rank),) for r in range(tp_size))
+    return TPMap(tp_size, tp_size, 0, recv)
 
 
 @lru_cache(maxsize=64)

@@ -17,9 +17,8 @@ def register_message(args: KVArgs, session_id: str, instance_id: str, status_end
                      staging_area: tuple[int, int] = (0, 0)) -> m.KVArgsRegister:
     """The decode's one-time description of its buffers for a prefill rank; ``staging_area``:
     (pointer, bytes) of its staging area, if it has one."""
-    assert args.total_kv_heads is not None  # KVArgs sets it
     return m.KVArgsRegister(
-        total_kv_heads=args.total_kv_heads, staging_ptr=staging_area[0], staging_nbytes=staging_area[1],
+        total_kv_heads=args.total_kv_heads or 0, staging_ptr=staging_area[0], staging_nbytes=staging_area[1],
         session_id=session_id, instance_id=instance_id, status_endpoint=status_endpoint,
         tp_rank=args.tp_rank, tp_size=args.tp_size, page_size=args.layout.page_size,
         kv_ptrs=list(args.kv.ptrs), kv_nbytes=list(args.kv.nbytes), kv_item_nbytes=list(args.kv.item_nbytes),
@@ -38,7 +37,8 @@ def rank_info(args: KVArgs, port: int, instance_id: str, engine: DataPlane) -> R
         transfer_backend=engine.name, session_id=engine.session_id, instance_id=instance_id,
         state_shapes=state_shapes(args.state_layout),
         state_dtype=None if args.state_layout is None else args.state_layout.dtype,  # type: ignore[arg-type]
-        total_kv_heads=args.total_kv_heads, kv_head_start=args.heads.first, kv_staging=args.can_stage,
+        total_kv_heads=args.total_kv_heads, kv_head_start=None if args.heads is None else args.heads.first,
+        kv_staging=args.can_stage,
     )
 
 
@@ -50,17 +50,25 @@ def peer_route(args: KVArgs, peer: m.KVArgsRegister) -> staging.Route | str:
         return f"aux row bytes {peer.aux_item_nbytes} != {list(args.aux.item_nbytes)}"
     if list(peer.state_item_nbytes) != list(args.state.item_nbytes):
         return f"state item bytes {peer.state_item_nbytes} != {list(args.state.item_nbytes)}"
-    assert args.total_kv_heads is not None  # KVArgs sets it
-    # An older decode does not say its model's heads: it can only be our own TP size.
-    total = peer.total_kv_heads or (args.total_kv_heads if peer.tp_size == args.tp_size else 0)
-    if total != args.total_kv_heads:
-        return f"total_kv_heads {peer.total_kv_heads} != {args.total_kv_heads} (tp_size {peer.tp_size} vs {args.tp_size})"
-    if len(args.state) and peer.tp_size != args.tp_size:
-        return f"state_layout: per-rank recurrent state cannot be resharded from tp_size {args.tp_size} to {peer.tp_size}"
     if not 0 <= peer.tp_rank < peer.tp_size <= MAX_TP_SIZE:  # a garbage size must not cost a huge plan
         return f"tp_rank {peer.tp_rank} / tp_size {peer.tp_size} out of range (tp_size at most {MAX_TP_SIZE})"
+    totals = (peer.total_kv_heads or None, args.total_kv_heads)  # None: a side that does not know it
+    if None not in totals and totals[0] != totals[1]:
+        return f"total_kv_heads {peer.total_kv_heads} != {args.total_kv_heads}"
+    if peer.tp_size == args.tp_size:
+        # Equal TP: rank r to rank r, all its heads, whatever the model's count (either side may not know it).
+        if peer.tp_rank != args.tp_rank:
+            return f"decode rank {peer.tp_rank} sent its KV args to prefill rank {args.tp_rank} at equal TP"
+        if list(peer.kv_item_nbytes) != list(args.kv.item_nbytes):
+            return f"KV page bytes per buffer {peer.kv_item_nbytes[:2]}.. != {list(args.kv.item_nbytes)[:2]}.."
+        return staging.direct_route(args.tp_rank, args.layout.num_kv_heads)
+    if None in totals:
+        return (f"total_kv_heads: unknown on the {'decode' if totals[0] is None else 'prefill'} rank, so tp_size "
+                f"{args.tp_size} cannot send to tp_size {peer.tp_size} (only equal TP sizes)")
+    if len(args.state):
+        return f"state_layout: per-rank recurrent state cannot be resharded from tp_size {args.tp_size} to {peer.tp_size}"
     try:
-        r = staging.route(args.tp_size, args.tp_rank, peer.tp_size, peer.tp_rank, total)
+        r = staging.route(args.tp_size, args.tp_rank, peer.tp_size, peer.tp_rank, peer.total_kv_heads)
     except LayoutMismatch as exc:
         return str(exc)
     unit = args.kv.item_nbytes[0] // args.layout.num_kv_heads

@@ -194,6 +194,39 @@ def test_a_room_larger_than_the_free_staging_fails_at_init_and_tells_every_sourc
     idle(g)
 
 
+def unknown_total_group(cluster: Cluster, tp_p: int, tp_d: int) -> TP:
+    """Ranks built the way a node that does not pass the model's KV head count builds them."""
+    g = TP([], [])
+    for tp, mgrs, make in ((tp_p, g.prefills, lambda a: PrefillKVManager(a, FakeDataPlane(), cluster.boot, ADDR, CFG)),
+                           (tp_d, g.decodes, lambda a: DecodeKVManager(a, FakeDataPlane(), cluster.boot, CFG))):
+        for r in range(tp):
+            lay = KVLayout(num_layers=2, num_kv_heads=4 // tp, head_dim=4, page_size=4, dtype="float32")
+            args = node_kv_args(KVPool(lay, PAGES, "cpu"), None, AuxPool(4, top_k=2), "127.0.0.1", r, tp,
+                                staging_pages=PAGES)
+            mgrs.append(make(args))
+            cluster.managers.append(mgrs[-1])
+    return g
+
+
+def test_ranks_that_do_not_know_the_model_head_count_still_pair_at_equal_tp(cluster: Cluster) -> None:
+    g = unknown_total_group(cluster, 2, 2)
+    senders, recvs = handshake(g, 15, [5, 6])
+    for sender in senders:
+        sender.send([1, 2], last_chunk=True, aux=AuxRecord(room=0, token_id=1, cached_tokens=0))
+    for handle in [*senders, *recvs]:
+        assert until_terminal(handle)[0] is KVPoll.Success
+    idle(g)
+
+
+def test_ranks_that_do_not_know_the_model_head_count_refuse_other_tp_sizes_at_lookup(cluster: Cluster) -> None:
+    g = unknown_total_group(cluster, 2, 1)
+    recv = g.decodes[0].create_receiver(16, ADDR)
+    st, took = until_terminal(recv)
+    assert st is KVPoll.Failed and took < 1.0
+    assert "total_kv_heads: the prefill did not register it" in (recv.failure_reason or "")
+    idle(g)
+
+
 def test_incomplete_prefill_layout_fails_at_lookup(cluster: Cluster) -> None:
     args, _ = side(2, 0, 4)
     pm = PrefillKVManager(args, FakeDataPlane(), cluster.boot, ADDR, CFG)  # rank 1 never registers
