@@ -134,8 +134,15 @@ class TransferConfig:
     # Also take the bare secret as a bearer token on HTTP: what sglang-router 0.3.2 sends to
     # workers (its --api-key). Off by default: then the secret itself never crosses the wire.
     accept_bearer_secret: bool = field(default_factory=envs.ACCEPT_BEARER_SECRET.get)
+    # Staging for head slices between unequal TP sizes (transfer/staging.py), in this rank's KV
+    # pages: per transfer worker on a prefill, the landing area on a decode. None: the role's
+    # default (prefill 64 per worker; decode a quarter of its KV pool). 0: none, and then only
+    # peers of the same TP size are served (others are refused at lookup, naming the field).
+    staging_pages: int | None = None
 
     def validate(self) -> None:
+        if self.staging_pages is not None and self.staging_pages < 0:
+            raise ConfigError(f"--transfer-staging-pages must be >= 0, got {self.staging_pages}")
         if self.backend not in ("mooncake", "fake"):
             raise ConfigError(f"--disaggregation-transfer-backend {self.backend!r}: expected mooncake or fake")
         if not 0 < self.bootstrap_port < 65536:

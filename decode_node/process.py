@@ -44,7 +44,11 @@ class DecodePart:
         from transfer.factory import build_decode_manager, node_kv_args
 
         self._aux: AuxPool = AuxPool(self._rows, top_k=self.transfer.aux_top_k)
-        args = node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host, runner.tp.rank, runner.tp.size)
+        # Where slices from a prefill of another TP size land before they are copied into the
+        # room's pages; a room that does not fit fails at once (503, the router retries).
+        staging = runner.kv_pool.num_pages // 4 if self.transfer.staging_pages is None else self.transfer.staging_pages
+        args = node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host, runner.tp.rank, runner.tp.size,
+                            total_kv_heads=runner.arch.num_kv_heads, staging_pages=staging)
         return build_decode_manager(self.transfer, args)
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,

@@ -176,7 +176,9 @@ class DecodeScheduler:
             elif status is KVPoll.Success:
                 rec = self.aux.read(r.aux_slot)
                 room_ok = not self.cfg.check_aux_room or rec.room == r.room
-                intact = room_ok and self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest)
+                # From a prefill of another TP size our pages hold other head ranges than the
+                # digest covers: the arrival check cannot apply (docs/TRANSFER.md, "Unequal TP").
+                intact = room_ok and (r.receiver.resharded or self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest))
                 if not self.agree_all(intact):  # every TP rank checks its own heads: one bad share fails all
                     if not room_ok:
                         self._fail(r, 500, f"{r.label()}: the aux row holds room {rec.room}, not ours")

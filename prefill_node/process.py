@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from transfer.prefill import PrefillKVManager
 
 
+# Per transfer worker: head slices for a decode of another TP size are gathered here; a larger
+# chunk goes in pieces (transfer/staging.py). 64 pages of 16 tokens: a 1024-token piece.
+PREFILL_STAGING_PAGES = 64
+
+
 @dataclass
 class PrefillPart:
     sched: SchedulerConfig
@@ -45,7 +50,9 @@ class PrefillPart:
         self._host = host  # the KV-event socket binds it too (build_scheduler)
         # Registered memory: kept alive as long as the manager. One row: only its layout matters.
         self._aux: AuxPool = AuxPool(1, top_k=self.transfer.aux_top_k)
-        args = node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host, runner.tp.rank, runner.tp.size)
+        staging = PREFILL_STAGING_PAGES if self.transfer.staging_pages is None else self.transfer.staging_pages
+        args = node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host, runner.tp.rank, runner.tp.size,
+                            total_kv_heads=runner.arch.num_kv_heads, staging_pages=staging)
         self._manager = build_prefill_manager(self.transfer, args, self.bootstrap_url)
         return self._manager
 

@@ -55,6 +55,10 @@ class AgreedHandle:
             return None
         return self.inner.failure_reason or "its transfer failed on another TP rank of this node"
 
+    @property
+    def resharded(self) -> bool:  # fixed by the two nodes' TP sizes: the same on every rank
+        return bool(getattr(self.inner, "resharded", False))
+
     def send(self, *args: Any, **kwargs: Any) -> None:
         self.inner.send(*args, **kwargs)
 

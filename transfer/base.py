@@ -70,6 +70,9 @@ class KVReceiver(ABC):
     """
 
     room: int
+    #: The KV came from a prefill of another TP size, so this rank's pages hold other head
+    #: ranges than the prefill's KV digest covers (known once the room left Bootstrapping).
+    resharded: bool = False
 
     @abstractmethod
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),

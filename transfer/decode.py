@@ -289,7 +289,7 @@ class DecodeKVManager:
                     peer.registered = True
                     to_register.append(peer)
             r.links, r.sources, r.required = dict(links.peers), links.sources, dict(links.required)
-            r.slices, r.scatter = links.slices, links.scatter
+            r.slices, r.scatter, r.resharded = links.slices, links.scatter, links.resharded
         for peer in to_register:
             msg = wire.register_message(self.args, self.engine.session_id, self.instance_id, self.status_endpoint,
                                         self._staging_area)

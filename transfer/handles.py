@@ -57,11 +57,15 @@ class _RoomHandle:
         status = r.answer()
         if status.terminal:
             self._final, self._reason = status, r.reason
+            self._on_final(r)
             self._rooms.release(self.room)
         return status
 
     def abort(self, reason: str | None = None) -> None:
         self._actions.abort_room(self.room, reason or self._default_abort_reason)
+
+    def _on_final(self, record: Any) -> None:
+        """Keep what a caller may still ask once the table forgot the room."""
 
     @property
     def failure_reason(self) -> str | None:
@@ -89,6 +93,10 @@ class DecodeKVReceiver(_RoomHandle, KVReceiver):
 
     def __init__(self, rooms: RoomTable[Any], actions: ReceiverActions, room: int) -> None:
         super().__init__(rooms, actions, room)
+        self._resharded = False
+
+    def _on_final(self, record: Any) -> None:
+        self._resharded = record.resharded
 
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
              prompt_digest: str = "") -> None:
@@ -96,3 +104,10 @@ class DecodeKVReceiver(_RoomHandle, KVReceiver):
 
     def fenced(self) -> bool:
         return self._actions.is_fenced(self.room)
+
+    @property
+    def resharded(self) -> bool:
+        """The room's KV came from a prefill of another TP size (set once it is resolved, i.e.
+        by the time the room is WaitingForInput): its digest covers other head ranges."""
+        r = self._rooms.get(self.room)
+        return self._resharded if r is None else r.resharded

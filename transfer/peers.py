@@ -63,6 +63,7 @@ class Links:
     required: dict[int, int]  # prefill rank -> the required_dst_info_num it expects
     slices: tuple[HeadSlice, ...]  # the head slices we receive
     scatter: bool  # some slice lands in the staging area first (transfer.staging)
+    resharded: bool = False  # the prefill's TP size differs: our pages are not one rank's pages
 
 
 class PeerCache:
@@ -105,7 +106,8 @@ class PeerCache:
         peers = {p: self._peer(addr, group, p) for p in tp.contacts(d)}
         slices = tp.recv[d]
         return Links(peers=peers, sources=tp.sources(d), required={p: tp.required_dst_info_num(p) for p in peers},
-                     slices=slices, scatter=any(s.num_heads < self._layout.num_kv_heads for s in slices))
+                     slices=slices, scatter=any(s.num_heads < self._layout.num_kv_heads for s in slices),
+                     resharded=tp.prefill_tp != tp.decode_tp)
 
     def node_endpoints(self, addr: str, room: int) -> list[str]:
         """Every rank of the prefill's dp group serving ``room``, receivable or not (uncached):

@@ -87,6 +87,9 @@ class DecodeRoom:
     answered: dict[int, bool] = field(default_factory=dict)  # rank -> said Success / failed or proven gone
     slices: tuple[HeadSlice, ...] = ()  # the head slices this rank receives (transfer.tp_map)
     scatter: bool = False  # some land in staging pages first (transfer.staging)
+    # From a prefill of another TP size: the prefill's KV digest (of its own heads) cannot be
+    # checked against this rank's pages, which hold other head ranges.
+    resharded: bool = False
     dst_pages: list[int] = field(default_factory=list)
     staging: list[tuple[int, int]] = field(default_factory=list)  # staging extents held (scatter only)
     scattering: bool = False  # every source said Success; the status thread copies staging -> pages

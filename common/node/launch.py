@@ -95,6 +95,10 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
                    help=f"prefill: embedded bootstrap server port; decode: port assumed when a request names none {d}")
     p.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"), help=d)
     p.add_argument("--page-size", type=int, default=CacheConfig.page_size, help=f"tokens per KV page {d}")
+    p.add_argument("--transfer-staging-pages", type=int, metavar="N",
+                   help="KV pages of staging per rank for head slices between unequal TP sizes: per transfer worker "
+                        "on a prefill (default 64), the landing area on a decode (default a quarter of its KV pool); "
+                        "0: serve only peers of the same TP size")
     p.add_argument("--mem-fraction-static", type=float, default=CacheConfig.mem_fraction_static,
                    help=f"GPU memory fraction for the KV pool {d}")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: from free memory / CPU default)")
@@ -136,7 +140,8 @@ def transfer_config(ns: argparse.Namespace) -> TransferConfig:
         raise ConfigError(str(exc)) from exc
     accept_bearer = envs.ACCEPT_BEARER_SECRET.get() if ns.accept_bearer_secret is None else ns.accept_bearer_secret
     return TransferConfig(backend=ns.disaggregation_transfer_backend, bootstrap_port=ns.disaggregation_bootstrap_port,
-                          cluster_secret=secret, accept_bearer_secret=accept_bearer)
+                          cluster_secret=secret, accept_bearer_secret=accept_bearer,
+                          staging_pages=ns.transfer_staging_pages)
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
