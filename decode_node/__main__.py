@@ -21,6 +21,7 @@ from common.node.launch import (
     attention_config,
     cache_config,
     cpu_slice,
+    grammar_config,
     model_config,
     node_config,
     run_node,
@@ -63,6 +64,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         transfer=transfer_config(a),
         server=server_config(a),
         cpu=cpu_slice(a),
+        grammar=grammar_config(a),
     )
 
 

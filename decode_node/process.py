@@ -21,6 +21,7 @@ from decode_node.stats import DecodeStats
 if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
     from common.engine.model_runner import ModelRunner
+    from common.grammar.cache import GrammarCache
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
     from transfer.decode import DecodeKVManager
@@ -46,7 +47,7 @@ class DecodePart:
         return build_decode_manager(self.transfer, node_kv_args(runner.kv_pool, runner.state_pool, self._aux, host))
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: DecodeKVManager) -> tuple[DecodeScheduler, DecodeStats]:
+                        manager: DecodeKVManager, grammars: GrammarCache | None = None) -> tuple[DecodeScheduler, DecodeStats]:
         s, memory = self.sched, runner.memory
         if self.transfer.backend != "fake" and envs.KV_INTEGRITY.get():  # the fake backend moves no bytes
             from common.engine.model_runner import page_digests
@@ -61,7 +62,8 @@ class DecodePart:
             engine, memory, manager, self._aux, stop, DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
             DecodeSchedConfig(max_running_requests=self._max_running, recompute_tokens_per_step=chunk,
-                              check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval))
+                              check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
+            grammars=grammars)
         return scheduler, DecodeStats(scheduler, self._aux.num_slots, manager.num_rooms)
 
     def ready_info(self) -> dict:

@@ -32,6 +32,7 @@ from common.node.launch import (
     attention_config,
     cache_config,
     cpu_slice,
+    grammar_config,
     model_config,
     node_config,
     run_node,
@@ -67,6 +68,7 @@ def config_from_args(ns: argparse.Namespace) -> NodeConfig:
         transfer=transfer_config(ns),
         server=server_config(ns),
         cpu=cpu_slice(ns),
+        grammar=grammar_config(ns),
     )
 
 

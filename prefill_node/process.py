@@ -19,6 +19,7 @@ from prefill_node.stats import PrefillStats
 if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
     from common.engine.model_runner import ModelRunner
+    from common.grammar.cache import GrammarCache
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
     from transfer.prefill import PrefillKVManager
@@ -45,7 +46,7 @@ class PrefillPart:
         return self._manager
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: PrefillKVManager) -> tuple[PrefillScheduler, PrefillStats]:
+                        manager: PrefillKVManager, grammars: GrammarCache | None = None) -> tuple[PrefillScheduler, PrefillStats]:
         cfg = PrefillSchedConfig(
             budget=PrefillBudget.from_flags(self.sched.max_prefill_tokens, self.sched.chunked_prefill_size),
             policy=self.sched.schedule_policy,
@@ -57,7 +58,7 @@ class PrefillPart:
 
         if envs.KV_INTEGRITY.get():  # checked before cache reuse, sent for the decode's check
             runner.memory.digests = page_digests(runner, self.transfer.cluster_secret)
-        scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg)
+        scheduler = PrefillScheduler(engine, runner.memory, manager.create_sender, stop, cfg, grammars=grammars)
         return scheduler, PrefillStats(scheduler, manager.num_rooms)
 
     def ready_info(self) -> dict:

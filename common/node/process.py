@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
 from common import envs
-from common.config import CacheConfig, NodeConfig
+from common.config import CacheConfig, GrammarConfig, NodeConfig
 from common.cpu_budget import apply_scheduler_budget
 from common.ipc.node_io import NodeIO
 from common.ipc.protocol import IpcEndpoints, ReqOutput, WorkItem
@@ -41,7 +41,10 @@ from common.node.contract import NodeScheduler, StepStats
 
 if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
+    from common.grammar.backend import GrammarBackend
+    from common.tokenizer import Tokenizer
     from common.engine.model_runner import ModelRunner
+    from common.grammar.cache import GrammarCache
     from common.sched.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,7 @@ class RolePart(Protocol):
         ...
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: TransferManager) -> tuple[NodeScheduler, StepStats]: ...
+                        manager: TransferManager, grammars: GrammarCache | None = None) -> tuple[NodeScheduler, StepStats]: ...
 
     def ready_info(self) -> dict:
         """What the role adds to the "ready" report (after ``build_scheduler``)."""
@@ -98,12 +101,16 @@ class NodeProcess:
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
         try:
-            sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids)  # masks ends before min_new_tokens
+            backend, self.grammars = build_grammars(cfg.grammar, tokenizer, self.runner.arch.vocab_size)
+            # The sampler masks ends before min_new_tokens and, with a backend, what grammars refuse.
+            sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids, grammar=backend)
             self.scheduler, self.stats = part.build_scheduler(
                 self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
-                self.manager)
+                self.manager, self.grammars)
             self.io = NodeIO(endpoints, self.stats)
             self.manager.set_state_listener(self.io.wake)
+            if self.grammars is not None:  # a finished compile wakes the loop like a finished transfer
+                self.grammars.set_listener(self.io.wake)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
             raise
@@ -122,6 +129,20 @@ class NodeProcess:
     def close(self) -> None:
         self.manager.close()
         self.io.close()
+        if self.grammars is not None:
+            self.grammars.close()
+
+
+def build_grammars(cfg: GrammarConfig, tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarBackend | None, GrammarCache | None]:
+    """The node's grammar backend over its own tokenizer (built once here) and its compile cache;
+    (None, None) with ``--grammar-backend none``."""
+    from common.grammar.factory import load_backend
+    from common.grammar.cache import GrammarCache
+
+    backend = load_backend(cfg.backend, tokenizer.backend_json(), vocab_size, sorted(tokenizer.eos_token_ids), cfg.threads)
+    if backend is None:
+        return None, None
+    return backend, GrammarCache(backend, capacity=cfg.cache_size, threads=cfg.threads, timeout_s=cfg.compile_timeout_s)
 
 
 class LoopIO(Protocol):

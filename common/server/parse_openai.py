@@ -4,8 +4,13 @@ Accepts what sglang-router 0.3.2 rebuilds (``"model": null``/``"unknown"``, ``ma
 many default fields) and the SGLang/vLLM extras benchmark clients send (``ignore_eos``,
 ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``seed``, ``n``, logprobs,
 ``stream_options.include_usage``). Unknown fields are ignored; known features we do not
-implement (constrained decoding, logit bias, tools, echo, ...) are rejected with 400 rather
-than silently producing different output.
+implement (tools, echo, structural tags, ...) are rejected with 400 rather than silently
+producing different output.
+
+Structured outputs: ``response_format`` ``{"type": "json_object"}`` (any JSON object) and
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``, and SGLang's extras
+``json_schema`` / ``regex`` / ``ebnf`` at the top level; at most one per request. They become the
+``SamplingParams`` grammar fields (common/grammar).
 
 With ``n > 1`` and a ``seed``, sample j uses ``seed + j`` (``parse_common.sample_seed``) so the n
 choices differ yet stay reproducible.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from common.grammar.spec import JSON_OBJECT_SCHEMA, schema_text
 from common.request import InvalidRequest
 from common.server.config import ApiConfig
 from common.server.errors import bad_request
@@ -35,7 +41,7 @@ from common.server.textio import TokenizerLike
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                   "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens")
-_UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "suffix", "echo",
+_UNSUPPORTED = ("structural_tag", "suffix", "echo",
                 "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
                 "tools", "functions", "continue_final_message")
 
@@ -45,9 +51,6 @@ def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     reject_unsupported(body, _UNSUPPORTED)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise bad_request("'response_format' other than text is not supported by this server")
     n = get_int(body, "n", 1)
     assert n is not None
     if n < 1:
@@ -95,6 +98,42 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
     return out
 
 
+def _grammar(body: dict) -> dict[str, str | None]:
+    """The grammar fields of SamplingParams from ``response_format`` or SGLang's top-level extras."""
+    out: dict[str, Any] = {k: body.get(k) for k in ("json_schema", "regex", "ebnf")}
+    fmt = body.get("response_format")
+    if fmt is None:
+        return out
+    if not isinstance(fmt, dict):
+        raise bad_request("'response_format' must be an object")
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return out
+    if any(v is not None for v in out.values()):
+        raise bad_request("give either 'response_format' or one of 'json_schema', 'regex', 'ebnf', not both")
+    if kind == "json_object":
+        out["json_schema"] = JSON_OBJECT_SCHEMA
+        return out
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}")
+    js = fmt.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad_request("'response_format.json_schema' must be an object with 'name' and 'schema'")
+    name = js.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request("'response_format.json_schema.name' must be a string")
+    if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean")
+    schema = js.get("schema")
+    # OpenAI makes the schema optional: without one the answer is any JSON object. strict asks
+    # OpenAI to hold the output to the schema exactly, which constrained decoding always does.
+    try:
+        out["json_schema"] = JSON_OBJECT_SCHEMA if schema is None else schema_text(schema, "'response_format.json_schema.schema'")
+    except InvalidRequest as exc:
+        raise bad_request(str(exc)) from exc
+    return out
+
+
 def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts: list[list[int]], n: int,
              max_new: int, logprob: bool, top: int, stream: bool, include_usage: bool) -> ParsedRequest:
     count = len(prompts) * n
@@ -104,6 +143,7 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
     fields["max_new_tokens"] = max_new
     fields["logit_bias"] = _logit_bias(body.get("logit_bias"))
     fields["min_new_tokens"] = body.get("min_tokens")  # vLLM's name for SGLang's min_new_tokens
+    fields.update(_grammar(body))
     build_sampling(fields)  # type errors once, before the fan-out
     boots = expand_bootstrap(body, count, cfg.bootstrap_port)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
