@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -39,6 +39,9 @@ from common.grammar.spec import schema_text, spec_of
 from common.request import MAX_SEED, InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request
+
+if TYPE_CHECKING:
+    from common.server.tools import ToolPlan
 
 Kind = Literal["generate", "completion", "chat"]
 
@@ -71,6 +74,7 @@ class ParsedRequest:
     return_text_in_logprobs: bool = False  # native only
     return_timeline: bool = False  # OpenAI only: add each choice's stage timeline (native: always)
     arrival_time: float = field(default_factory=time.time)
+    tools: ToolPlan | None = None  # chat only: the tools whose calls the answer is parsed for
 
 
 # ---- typed field access ------------------------------------------------------------------------

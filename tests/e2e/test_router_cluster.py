@@ -15,7 +15,9 @@ router's port; the nodes are only read for their counters and memory, and killed
                               completions, streamed and not, greedy and sampled): every answer parses and
                               validates; greedy ones equal HF generate with the grammar as a logits
                               processor; regex and EBNF on /generate; beta...parse with a pydantic
-                              model; bad grammars are 400s that leave every node idle
+                              model; tool_choice required / named give valid arguments (tool_calls,
+                              streamed and not); bad grammars and tool names are 400s that leave every
+                              node idle
 
 Every test ends with every live node back at idle memory (the leak check), and the tests run in
 file order on one cluster: the kill tests restart what they killed.
@@ -32,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import jsonschema
@@ -251,11 +254,45 @@ def test_structured_openai_parse_with_a_pydantic_model(routed: Routed) -> None:
     assert out.choices[0].finish_reason == "stop"
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}}, "required": ["tz"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_structured_tool_choice_returns_valid_arguments(routed: Routed, choice: Any) -> None:
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for stream in (False, True):
+        resp = routed.client().chat.completions.create(
+            model=routed.model, messages=[{"role": "user", "content": "what is the weather in Oslo?"}], tools=TOOLS,
+            tool_choice=choice, parallel_tool_calls=False, max_tokens=200, temperature=0, stream=stream)  # type: ignore[arg-type]
+        if stream:
+            chunks = [c for c in resp if c.choices]
+            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+            finish = chunks[-1].choices[0].finish_reason
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            msg = resp.choices[0].message
+            calls, finish, content = msg.tool_calls or [], resp.choices[0].finish_reason, msg.content or ""
+        assert finish == "tool_calls" and len(calls) == 1 and content == "", (stream, finish, calls, content)
+        name = calls[0].function.name
+        assert name in params and (choice == "required" or name == choice["function"]["name"])
+        jsonschema.validate(json.loads(calls[0].function.arguments), params[name])
+    routed.wait_idle()
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "strin"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}},
      "Unimplemented keys"),
     ({"regex": "[0-9"}, "invalid regex"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_wether"}}}, "not one of the tools"),
 ])
 def test_structured_bad_grammars_are_400s_that_allocate_nothing(routed: Routed, body: dict, needle: str) -> None:
     full = {"model": routed.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **body}
