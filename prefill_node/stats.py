@@ -76,6 +76,7 @@ class PrefillStats:
             "forward_seconds_total": c.forward_s,
             "forwards_total": float(c.forwards),
             "kv_integrity_failures_total": float(mem.digests.failures if mem.digests is not None else 0),
+            **(s.grammars.metrics() if s.grammars is not None else {}),
         }
 
     def flush_cache(self) -> tuple[bool, str]:

@@ -126,6 +126,16 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def metrics(self) -> dict[str, float]:
+        """For /metrics (``pdc_scheduler_grammar_*``): what the cache holds and has done."""
+        with self._lock:
+            st = self.stats
+            return {"grammar_cache_entries": float(len(self._lru)), "grammar_compiles_inflight": float(len(self._inflight)),
+                    "grammar_cache_hits_total": float(st.hits), "grammar_cache_misses_total": float(st.misses),
+                    "grammar_cache_evictions_total": float(st.evictions),
+                    "grammar_compile_failures_total": float(st.compile_failures),
+                    "grammar_compile_seconds_total": st.compile_seconds}
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

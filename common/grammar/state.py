@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from common.grammar.backend import Matcher
 from common.grammar.cache import GrammarCache, GrammarHandle, Status
+from common.grammar.spec import GrammarSpec
 
 
 @dataclass
@@ -31,7 +32,7 @@ class GrammarState:
     error: str | None = None  # compile failure, timeout or dead end: the request ends with it
 
     @classmethod
-    def start(cls, cache: GrammarCache, spec, now: float | None = None) -> GrammarState:  # type: ignore[no-untyped-def]
+    def start(cls, cache: GrammarCache, spec: GrammarSpec, now: float | None = None) -> GrammarState:
         return cls(cache, cache.get(spec, now))
 
     def poll(self, now: float) -> Status:

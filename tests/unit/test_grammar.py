@@ -151,6 +151,8 @@ def test_cache_compiles_once_per_spec_and_stays_bounded() -> None:
         # a, b compiled; a hit; c evicts b (a was used more recently); a hit; b again evicts c.
         assert be.compiled == ["a", "b", "c", "b"]
         assert len(cache) == 2 and cache.stats.evictions == 2 and cache.stats.hits == 2
+        m = cache.metrics()  # what /metrics exports as pdc_scheduler_grammar_*
+        assert (m["grammar_cache_entries"], m["grammar_cache_misses_total"], m["grammar_cache_evictions_total"]) == (2, 4, 2)
     finally:
         cache.close()
 
