@@ -261,3 +261,23 @@ def test_a_refused_token_is_a_dead_end(backend: Any, tok: Tokenizer) -> None:
     letters = tok.encode("x", add_special_tokens=False)
     assert not st.sync(letters)
     assert st.error is not None and "dead end" in st.error and st.consumed == 0
+
+
+def test_bench_json_schema_reaches_both_endpoints_and_never_closes_early(tok: Tokenizer, backend: Any) -> None:
+    """pdcluster bench --json-schema: the schema goes into /generate's sampling_params and the
+    completions endpoint's response_format; 'bench' cannot complete within any --output-len."""
+    from common.tools.bench_client import Target, request_body
+    from common.tools.bench_run import bench_schema
+    from common.tools.bench_workload import BenchRequest
+
+    schema = bench_schema("bench")
+    assert schema is not None and bench_schema(None) is None
+    req = BenchRequest(index=0, input_ids=[1, 2], output_len=64, arrival_s=0.0)
+    gen = request_body(req, Target(url="u", json_schema=schema))
+    assert gen["sampling_params"]["json_schema"] == schema and gen["sampling_params"]["ignore_eos"]
+    comp = request_body(req, Target(url="u", endpoint="completions", json_schema=schema))
+    assert comp["response_format"]["json_schema"]["schema"] == json.loads(schema)
+    assert "json_schema" not in request_body(req, Target(url="u"))["sampling_params"]
+    st = _ready_state(backend, GrammarSpec("json_schema", schema))
+    item = tok.encode('{"id":12,"tag":"red"},', add_special_tokens=False)
+    assert st.sync(tok.encode("[", add_special_tokens=False) + item * 40) and not st.done()
