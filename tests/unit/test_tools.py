@@ -159,3 +159,19 @@ def test_a_streamed_tool_call_goes_out_as_a_tool_calls_delta(cfg: ApiConfig, tok
     assert call["index"] == 0 and call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "days": 2}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_llama3_convention_grammar_and_parse(tok: Tokenizer) -> None:
+    """A template without <tool_call> (Llama 3): required/named constrain to a bare JSON call with
+    "parameters", which the parser reads back."""
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    plan = ToolPlan([WEATHER, TIME], params, "named", "get_time", False, "llama3")
+    be = load_backend("llguidance", tok.backend_json(), tok.vocab_size, sorted(tok.eos_token_ids), threads=1)
+    m = be.matcher(be.compile(GrammarSpec("ebnf", plan.grammar() or "")))  # type: ignore[union-attr]
+    text = '{"name":"get_time","parameters":{"tz":"JST"}}'
+    assert not all(m.consume(t) for t in tok.encode(text, add_special_tokens=False))  # JST is not in the enum
+    m = be.matcher(be.compile(GrammarSpec("ebnf", plan.grammar() or "")))  # type: ignore[union-attr]
+    text = '{"name":"get_time","parameters":{"tz":"CET"}}'
+    assert all(m.consume(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_done()
+    content, [call] = extract_tool_calls(text, plan)
+    assert content is None and json.loads(call["function"]["arguments"]) == {"tz": "CET"}
