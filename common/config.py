@@ -165,6 +165,28 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class GrammarConfig:
+    """Constrained decoding (common/grammar): which library, how many compiled grammars are kept,
+    the threads that compile them and compute the batch's token masks, and how long a request
+    waits for its grammar before it fails (400)."""
+
+    backend: Literal["llguidance", "none"] = "llguidance"
+    cache_size: int = 256  # compiled grammars kept (least recently used evicted)
+    threads: int = 2
+    compile_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        if self.backend not in ("llguidance", "none"):
+            raise ConfigError(f"--grammar-backend {self.backend!r}: expected llguidance or none")
+        if self.cache_size < 1:
+            raise ConfigError(f"--grammar-cache-size must be >= 1, got {self.cache_size}")
+        if self.threads < 1:
+            raise ConfigError(f"--grammar-threads must be >= 1, got {self.threads}")
+        if not self.compile_timeout_s > 0:
+            raise ConfigError(f"--grammar-compile-timeout-s must be > 0, got {self.compile_timeout_s}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
@@ -200,10 +222,11 @@ class NodeConfig:
     cpu: CpuConfig = CpuConfig()
     parallel: ParallelConfig = ParallelConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    grammar: GrammarConfig = GrammarConfig()
 
     def validate(self) -> None:
         for part in (self.model, self.cache, self.sched, self.attention, self.transfer, self.server, self.parallel,
-                     self.kv_events):
+                     self.kv_events, self.grammar):
             part.validate()
         try:
             self.cpu.validate()

@@ -47,6 +47,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # SGLang min_new_tokens / OpenAI-extension min_tokens: EOS and stop_token_ids are masked out
     # while fewer output tokens exist (HF MinNewTokensLengthLogitsProcessor). Stop strings still apply.
     min_new_tokens: int = 0
+    # Constrained decoding (common/grammar): at most one of a JSON schema (JSON text), a regex or an
+    # EBNF/Lark grammar. The text travels with the request, so the prefill (which samples the first
+    # token) and the decode (which advances its own matcher by that token) compile the same grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -81,6 +87,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("stop strings must be non-empty")
         if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
             raise bad(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise bad(f"at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
+        if grammars and not getattr(self, grammars[0]):
+            raise bad(f"{grammars[0]} must not be empty")
         for t, b in self.logit_bias.items():
             if not math.isfinite(b) or not -100.0 <= b <= 100.0:
                 raise bad(f"logit_bias for token {t} must be in [-100, 100], got {b}")

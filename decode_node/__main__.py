@@ -21,6 +21,7 @@ from common.node.launch import (
     attention_config,
     cache_config,
     cpu_slice,
+    grammar_config,
     model_config,
     node_config,
     parallel_config,
@@ -65,6 +66,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         server=server_config(a),
         cpu=cpu_slice(a),
         parallel=parallel_config(a),
+        grammar=grammar_config(a),
     )
 
 

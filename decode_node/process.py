@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
     from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
+    from common.grammar.cache import GrammarCache
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
     from transfer.decode import DecodeKVManager
@@ -52,7 +53,8 @@ class DecodePart:
         return build_decode_manager(self.transfer, args)
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: DecodeKVManager, agreement: RankAgreement) -> tuple[DecodeScheduler, DecodeStats]:
+                        manager: DecodeKVManager, agreement: RankAgreement,
+                        grammars: GrammarCache | None = None) -> tuple[DecodeScheduler, DecodeStats]:
         s, memory = self.sched, runner.memory
         if self.transfer.backend != "fake" and envs.KV_INTEGRITY.get():  # the fake backend moves no bytes
             from common.engine.model_runner import page_digests
@@ -71,7 +73,7 @@ class DecodePart:
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
             DecodeSchedConfig(max_running_requests=self._max_running, recompute_tokens_per_step=chunk,
                               check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
-            agree_all=agreement.agree_all)
+            agree_all=agreement.agree_all, grammars=grammars)
         return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms)
 
     def ready_info(self) -> dict:

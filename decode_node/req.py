@@ -27,6 +27,7 @@ from typing import Protocol
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk
 from common.engine.sampler import SampledToken
+from common.grammar.state import GrammarState
 from common.kvcache.req_kv import KVMemory, ReqKV
 from common.ipc.protocol import ReqOutput
 from common.request import FinishReason, SamplingParams
@@ -115,13 +116,40 @@ class DecodeReq:
     retractions: int = 0
     drain_since: float = 0.0
     clock: StageClock = field(default_factory=lambda: StageClock("decode"))  # prealloc, kv_transfer, first_token, decode
+    # Constrained decoding: the matcher, advanced by every output token (the prefill's first one
+    # included) before the next is sampled. Kept across retraction: recompute rebuilds KV only.
+    grammar: GrammarState | None = None
     _spec: SampleSpec | None = field(default=None, repr=False)
 
     def sample_spec(self) -> SampleSpec:
-        """One spec for the request's life: it reads the live output list when sampling."""
+        """One spec for the request's life: it reads the live output list when sampling (and the
+        live matcher: a request samples only once its grammar is ready)."""
         if self._spec is None:
-            self._spec = SampleSpec(self.params, self.out, self.prompt)
+            matcher = self.grammar.matcher if self.grammar is not None else None
+            assert self.grammar is None or matcher is not None, "sampling before the grammar is ready"
+            self._spec = SampleSpec(self.params, self.out, self.prompt, matcher)
         return self._spec
+
+    def grammar_ready(self, now: float) -> bool:
+        """False while the grammar compiles. Once ready, the matcher is caught up with ``out``,
+        and the request is finished if the grammar completed (stop) or failed (an error: a
+        compile error or timeout is a 400; a token it refuses is a dead end, dropped from ``out``)."""
+        g = self.grammar
+        if g is None or self.finish is not None and self.error is not None:
+            return True
+        status = g.poll(now)
+        if status == "pending":
+            return False
+        if status == "ready" and g.sync(self.out):
+            if g.done() and (self.finish is None or self.finish.type == "length"):
+                self.finish = FinishReason(type="stop", matched=None)  # the schema is complete
+            return True
+        del self.out[g.consumed :]  # the refused token (if any) never reaches the client
+        if self.params.return_logprob:
+            del self.logprobs[g.consumed :], self.top_logprobs[g.consumed :]
+        self.error, self.http_status = g.error, 400
+        self.finish = FinishReason(type="abort", message=g.error)
+        return True
 
     @property
     def max_new(self) -> int:
@@ -267,7 +295,8 @@ def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int) -> S
     sampled: SampledToken | None = None
     for start in range(0, len(ids), chunk):
         end = min(start + chunk, len(ids))
-        spec = SampleSpec(r.params, r.out, r.prompt) if end == len(ids) and not r.out else None
+        first = end == len(ids) and not r.out
+        spec = SampleSpec(r.params, r.out, r.prompt, r.grammar.matcher if r.grammar else None) if first else None
         [sampled] = engine.run_extend([ExtendChunk(r.kv.row, ids[start:end], start)], [spec])
     r.kv.kv_len = len(ids)
     return sampled

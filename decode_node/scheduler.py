@@ -26,6 +26,13 @@ that failed while its prefill may still write (``receiver.fenced()``) waits ther
 is lifted (for a peer that never comes back: for good, visible as ``fenced_reqs``). A request
 leaves by ``_finish``, ``_fail`` (only once its receiver is terminal), ``_refuse`` or ``_abort``.
 
+Constrained decoding (``grammar``): the matcher is compiled off the loop from arrival on (the
+same spec the prefill compiled, from the same request body); the first token the prefill sampled
+under it advances it before the request's first decode step, and a request joins ``running`` only
+once its grammar is ready (it waits in ``waiting`` holding its pages; the batch runs on). Every
+later token advances it; a complete grammar finishes the request (stop), a compile error or
+timeout or a refused token ends it with a 400 (``DecodeReq.grammar_ready``).
+
 Retraction resumes by **recompute**, not host offload: the model is here anyway, no host pool
 must be budgeted, and recomputed KV gives the same greedy tokens (up to near-ties).
 """
@@ -36,6 +43,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from common.engine.model_runner import DecodeItem
+from common.grammar.cache import GrammarCache
+from common.grammar.spec import spec_of
+from common.grammar.state import GrammarState
 from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
 from common.kvcache.req_kv import KVMemory
 from common.request import FinishReason
@@ -53,11 +63,12 @@ log = logging.getLogger(__name__)
 class DecodeScheduler:
     def __init__(self, engine: Engine, memory: KVMemory, receivers: ReceiverFactory, aux: AuxSlots,
                  stop: StopChecker, budget: DecodeBudget, ratio: NewTokenRatio, cfg: DecodeSchedConfig,
-                 agree_all: Callable[[bool], bool] = bool) -> None:
+                 agree_all: Callable[[bool], bool] = bool, grammars: GrammarCache | None = None) -> None:
         """``agree_all``: on a TP node, whether every rank's check of its own share of an arrived
         room passed (each rank holds other KV heads); the identity on one rank."""
         self.engine, self.memory, self.receivers, self.aux = engine, memory, receivers, aux
         self.agree_all = agree_all
+        self.grammars = grammars  # None: structured outputs off (such requests get a 400)
         self.stop, self.budget, self.ratio, self.cfg = stop, budget, ratio, cfg
         self.queues = DecodeQueues()
         self.counters = DecodeCounters()
@@ -112,6 +123,11 @@ class DecodeScheduler:
         if local and r.max_new == 0:
             r.finish = FinishReason(type="length", length=0)
             return self._emit(r)
+        spec = spec_of(msg.sampling)
+        if spec is not None:
+            if self.grammars is None:
+                return self._refuse(r, f"{r.label()}: structured outputs (json_schema, regex, ebnf) are off on this node")
+            r.grammar = GrammarState.start(self.grammars, spec)  # compiles while the KV transfers
         if local:
             r.stage = Stage.RETRACTED
             self.queues.retracted.append(r)
@@ -216,6 +232,12 @@ class DecodeScheduler:
         budget_left = self.cfg.recompute_tokens_per_step
         while q.retracted and budget_left > 0 and len(q.running) < self.cfg.max_running_requests:
             r = q.retracted[0]
+            if not r.grammar_ready(time.monotonic()):
+                return  # a local request's grammar is compiling (a resumed one's is ready long since)
+            if r.finish is not None:  # its grammar failed while it waited
+                q.retracted.popleft()
+                self._finish(r)
+                continue
             ids = r.recompute_ids()
             others = [o.holder() for o in (*q.running, *q.waiting, *q.transfer)]
             if not self.budget.can_resume(r.holder(), self.memory.available_pages(), others, self.ratio.value,
@@ -273,9 +295,16 @@ class DecodeScheduler:
             r.clock.lap("prealloc")
 
     def _merge_waiting(self) -> None:
-        """The prebuilt batch: KV in place, first token from the prefill: running needs no forward."""
-        while self.queues.waiting and len(self.queues.running) < self.cfg.max_running_requests:
-            self._to_running_or_finish(self.queues.waiting.popleft())
+        """The prebuilt batch: KV in place, first token from the prefill: running needs no forward.
+        A request whose grammar still compiles stays (with its pages) and the others go past it."""
+        q = self.queues
+        now = time.monotonic()
+        for r in list(q.waiting):
+            if len(q.running) >= self.cfg.max_running_requests:
+                break
+            if r.grammar_ready(now):  # the matcher has now seen the prefill's first token
+                q.waiting.remove(r)
+                self._to_running_or_finish(r)
 
     def _to_running_or_finish(self, r: DecodeReq) -> None:
         if r.finish is not None:
@@ -361,6 +390,8 @@ class DecodeScheduler:
     def _append(self, r: DecodeReq, token: int, logprob: float | None, top: Sequence[tuple[int, float]]) -> None:
         r.append(token, logprob, top, self.stop)
         self.counters.generated_tokens += 1
+        if r.grammar is not None:
+            r.grammar_ready(time.monotonic())  # advance the matcher; may finish the request
 
     # ---- endings --------------------------------------------------------------------------------
 

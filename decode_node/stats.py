@@ -77,6 +77,7 @@ class DecodeStats:
             "new_token_ratio": s.ratio.value,
             **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()},
             "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
+            **(s.grammars.metrics() if s.grammars is not None else {}),
         }
 
     def _fenced(self) -> dict[str, int]:

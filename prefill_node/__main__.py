@@ -32,6 +32,7 @@ from common.node.launch import (
     attention_config,
     cache_config,
     cpu_slice,
+    grammar_config,
     model_config,
     node_config,
     parallel_config,
@@ -74,6 +75,7 @@ def config_from_args(ns: argparse.Namespace) -> NodeConfig:
         parallel=parallel_config(ns),
         kv_events=KVEventsConfig(enabled=not ns.disable_kv_events and not ns.disable_radix_cache,
                                  port=ns.kv_events_port),
+        grammar=grammar_config(ns),
     )
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
     from common.kvcache.kv_event_log import KVEventPublisher
+    from common.grammar.cache import GrammarCache
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
     from transfer.prefill import PrefillKVManager
@@ -57,7 +58,8 @@ class PrefillPart:
         return self._manager
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: PrefillKVManager, agreement: RankAgreement) -> tuple[PrefillScheduler, PrefillStats]:
+                        manager: PrefillKVManager, agreement: RankAgreement,
+                        grammars: GrammarCache | None = None) -> tuple[PrefillScheduler, PrefillStats]:
         cfg = PrefillSchedConfig(
             budget=PrefillBudget.from_flags(self.sched.max_prefill_tokens, self.sched.chunked_prefill_size),
             policy=self.sched.schedule_policy,
@@ -73,7 +75,8 @@ class PrefillPart:
         from transfer.agreed import agreed_manager
 
         rooms = agreed_manager(manager, agreement)  # TP: handles whose states every rank reads the same
-        scheduler = PrefillScheduler(engine, runner.memory, rooms.create_sender, stop, cfg, clock=agreement.clock)
+        scheduler = PrefillScheduler(engine, runner.memory, rooms.create_sender, stop, cfg, clock=agreement.clock,
+                                     grammars=grammars)
         self._events: KVEventPublisher | None = None
         cache = runner.memory.cache
         # Rank 0 alone publishes: every rank's cache holds the same blocks (same steps, same inputs).

@@ -22,6 +22,7 @@ from typing import Protocol
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import ExtendChunk
 from common.engine.sampler import SampledToken
+from common.grammar.state import GrammarState
 from common.ipc.protocol import GenerateReq, ReqOutput
 from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory, ReqKV
@@ -69,6 +70,7 @@ class PrefillReq:
     abort_status: int | None = None  # http status of a scheduler-side failure (None: client abort)
     finished: bool = False
     error_since: float | None = None  # first internal error in this request's own handling
+    grammar: GrammarState | None = None  # constrained decoding: admitted only once it is compiled
     clock: StageClock = field(default_factory=lambda: StageClock("prefill"))  # bootstrap, queue, forward, transfer
 
     @property

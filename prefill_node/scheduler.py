@@ -17,6 +17,11 @@ Lifecycle of one request (queues are FIFO lists in ``PrefillQueues``; every arro
                                                                      transfer_timeout_s: sender.abort)
 
     Failed seen in bootstrap / waiting / chunked       -> released and answered at once (503)
+    grammar (json_schema / regex / ebnf)               -> compiled off the loop from arrival on; a waiting
+                                                          request is admitted only once it is ready (the
+                                                          batch runs without it meanwhile), and the last
+                                                          chunk samples the first token under it; a compile
+                                                          error or timeout ends it early (400)
     AbortReq, forward error, send error in any queue   -> _end_early: sender.abort -> inflight -> released when terminal
 
 Why release waits for a terminal state: the KVSender contract reports Failed only once no write
@@ -40,6 +45,9 @@ from contextlib import contextmanager
 
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import ExtendChunk
+from common.grammar.cache import GrammarCache
+from common.grammar.spec import spec_of
+from common.grammar.state import GrammarState
 from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
 from common.kvcache.req_kv import KVMemory
 from common.sched.stop import StopChecker
@@ -56,8 +64,10 @@ log = logging.getLogger(__name__)
 
 class PrefillScheduler:
     def __init__(self, engine: ExtendEngine, memory: KVMemory, senders: SenderFactory, stop: StopChecker,
-                 cfg: PrefillSchedConfig, clock: Callable[[], float] = time.monotonic) -> None:
+                 cfg: PrefillSchedConfig, clock: Callable[[], float] = time.monotonic,
+                 grammars: GrammarCache | None = None) -> None:
         self.engine, self.memory, self.senders, self.stop, self.cfg, self.clock = engine, memory, senders, stop, cfg, clock
+        self.grammars = grammars  # None: structured outputs off (such requests get a 400)
         self.queues = PrefillQueues()
         self.counters = PrefillCounters()
         self.outbox: list[ReqOutput] = []  # this step's replies, handed out by step()
@@ -125,6 +135,12 @@ class PrefillScheduler:
             self.outbox.append(failed(msg.rid, f"{where}: {error}", status, len(msg.input_ids)))
             return
         req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), msg.sampling, sender)
+        spec = spec_of(msg.sampling)
+        if error is None and spec is not None:
+            if self.grammars is None:
+                error = "structured outputs (json_schema, regex, ebnf) are off on this node"
+            else:  # compiles while the room bootstraps
+                req.grammar = GrammarState.start(self.grammars, spec, self.clock())
         self.queues.reqs[req.rid] = req
         if error is not None:
             # The decode holds pages for this room and waits for its KV: abort the room so it
@@ -158,10 +174,14 @@ class PrefillScheduler:
         """A room can fail before its forward (decode gave up, aborted, was refused): free it now."""
         q = self.queues
         pending, q.waiting = q.waiting, []
+        now = self.clock()
         for req in pending:
             with self._guard(req, "waiting poll"):
                 if req.sender is not None and req.sender.poll() is KVPoll.Failed:
                     self._finish(req, room_ended(req, KVPoll.Failed))
+                elif req.grammar is not None and req.grammar.poll(now) == "failed":
+                    q.waiting.append(req)  # _end_early takes it from there
+                    self._end_early(req, req.grammar.error or "grammar failed", 400)
                 else:
                     q.waiting.append(req)
         req = q.chunked
@@ -198,7 +218,10 @@ class PrefillScheduler:
             return batch
 
         prefix_len = peek_prefix_len(mem.cache)  # read-only: most waiting requests are not admitted
+        now = self.clock()
         for req in order_waiting(q.waiting, self.cfg.policy, prefix_len):
+            if req.grammar is not None and req.grammar.poll(now) != "ready":
+                continue  # its grammar is compiling (or failed: dropped next step); the batch goes on
             try:
                 n = self._admit(req, adder, prefix_len(req))
             except Exception as exc:  # the adder may be half-updated: stop adding this step
@@ -246,7 +269,8 @@ class PrefillScheduler:
             start = req.kv.kv_len
             chunks.append(ExtendChunk(req.kv.row, req.input_ids[start : start + n], start))
             last = start + n == req.prompt_len
-            specs.append(SampleSpec(req.params, (), req.input_ids) if last else None)
+            grammar = req.grammar.matcher if req.grammar is not None else None
+            specs.append(SampleSpec(req.params, (), req.input_ids, grammar) if last else None)
         t0 = self.clock()
         wall = time.time()
         for req, _ in batch:

@@ -93,6 +93,7 @@ class PrefillStats:
             "forward_seconds_total": c.forward_s,
             "forwards_total": float(c.forwards),
             "kv_integrity_failures_total": float(mem.digests.failures if mem.digests is not None else 0),
+            **(s.grammars.metrics() if s.grammars is not None else {}),
         } | ({} if self._events is None else self._events.metrics())
 
     def flush_cache(self) -> tuple[bool, str]:

@@ -77,3 +77,60 @@ def hf_greedy(
             break
         step_ids = torch.tensor([[nxt]], dtype=torch.long)  # [1, 1]
     return tokens, gaps
+
+
+def grammar_matcher(model_dir: str, kind: str, text: str):  # type: ignore[no-untyped-def]
+    """A fresh llguidance matcher for a grammar over the model's tokenizer, built straight from
+    tokenizer.json with llguidance's own calls (none of pdcluster's grammar code)."""
+    import llguidance as llg
+
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        tok_json = f.read()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    lt = llg.LLTokenizer(tok_json, n_vocab=vocab, eos_token=generation_eos_ids(model_dir))
+    if kind == "json_schema":
+        grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    elif kind == "regex":
+        grammar = llg.LLMatcher.grammar_from_regex(text)
+    else:
+        grammar = llg.grammar_from("ebnf", text)
+    m = llg.LLMatcher(lt, grammar, log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+@torch.inference_mode()
+def hf_greedy_constrained(model_dir: str, prompt_ids: list[int], max_new_tokens: int, kind: str,
+                          text: str) -> tuple[list[int], list[float]]:
+    """HF ``generate`` (greedy) with the grammar applied as a logits processor, and the top-2 gap
+    of the masked logits at each step. The trailing EOS HF emits once the grammar is complete is
+    dropped: pdcluster ends the request at that point (finish_reason stop) without sampling it."""
+    import numpy as np
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    matcher = grammar_matcher(model_dir, kind, text)
+    vocab = hf_model(model_dir).config.vocab_size
+    gaps: list[float] = []
+
+    class GrammarProcessor(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            new = input_ids[0, len(prompt_ids):].tolist()
+            if new:
+                assert matcher.consume_token(new[-1]), matcher.get_error()
+            raw = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)  # bit t % 8 of byte t // 8: token t
+            allowed = torch.from_numpy(np.unpackbits(raw, bitorder="little")[:vocab].astype(bool))
+            masked = scores.masked_fill(~allowed[None, : scores.shape[1]], float("-inf"))
+            top2 = torch.topk(masked[0], 2).values
+            gaps.append(float(top2[0] - top2[1]))
+            return masked
+
+    model = hf_model(model_dir)
+    eos = generation_eos_ids(model_dir)
+    out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                         logits_processor=LogitsProcessorList([GrammarProcessor()]))
+    tokens = out[0, len(prompt_ids):].tolist()
+    if tokens and tokens[-1] in eos:
+        tokens.pop()
+    return tokens, gaps

@@ -24,6 +24,7 @@ import torch
 
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
 from common.engine.sampler import SampledToken, Sampler, needs_penalties
+from common.grammar.backend import Matcher
 from common.request import SamplingParams
 
 
@@ -35,13 +36,18 @@ class SampleSpec:
     params: SamplingParams
     output_ids: Sequence[int]  # generated so far (the step number for seeded sampling)
     prompt_ids: Sequence[int] | None = None  # needed only for repetition_penalty
-    # Argmax and nothing else: no logprobs, no penalties (the common decode case, sampled without
-    # the sampler's per-row bookkeeping).
+    # The request's grammar matcher, advanced by output_ids (common/grammar/state.py); None: free.
+    grammar: Matcher | None = None
+    # Argmax and nothing else: no logprobs, penalties, bias, min_new_tokens or grammar (the common decode case,
+    # sampled without the sampler's per-row bookkeeping).
     plain_greedy: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        object.__setattr__(self, "plain_greedy", p.is_greedy and not p.return_logprob and not needs_penalties(p))
+        # logit_bias and min_new_tokens change the argmax too: such rows go through the sampler.
+        plain = (p.is_greedy and not p.return_logprob and not needs_penalties(p) and not p.logit_bias
+                 and p.min_new_tokens == 0 and self.grammar is None)
+        object.__setattr__(self, "plain_greedy", plain)
 
 
 class EngineDriver:
@@ -81,6 +87,7 @@ class EngineDriver:
             [s.params for s in chosen],  # type: ignore[union-attr]
             [s.output_ids for s in chosen],  # type: ignore[union-attr]
             [s.prompt_ids or [] for s in chosen] if need_prompt else None,  # type: ignore[union-attr]
+            [s.grammar for s in chosen] if any(s.grammar is not None for s in chosen) else None,  # type: ignore[union-attr]
         )
         sampled.token_ids = self._agree(sampled.token_ids)
         for i, tok in zip(keep, sampled.tolist()):

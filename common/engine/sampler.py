@@ -9,6 +9,7 @@ warpers), so one request alone behaves like transformers with the same settings:
         ├─ frequency / presence penalty over output ids    OpenAI: l - f*count - p*[count > 0]
         ├─ logit bias                                      OpenAI: l + bias[token]
         ├─ min_new_tokens: EOS + stop_token_ids → -inf     HF MinNewTokensLengthLogitsProcessor
+        ├─ grammar: tokens the row's matcher refuses → -inf  one bitmask for the batch (common/grammar)
         │
         ├─ greedy rows (temperature < 1e-5 or top_k 1) ─► argmax ────────────────────► token
         │
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.grammar.backend import GrammarBackend, Matcher, allowed_from_bitmask, bitmask_width
 from common.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -197,12 +199,15 @@ class Sampler:
 
     ``seed`` fixes that generator (tests, benchmarks); None seeds it from the OS.
     ``eos_token_ids`` are the model's end ids, masked (with each row's stop_token_ids) for rows
-    that have not reached their ``min_new_tokens`` yet.
+    that have not reached their ``min_new_tokens`` yet. ``grammar`` computes the allowed-token
+    bitmask of the rows that carry a matcher (None: no row may).
     """
 
-    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = (),
+                 grammar: GrammarBackend | None = None) -> None:
         self._seed = seed
         self._eos = tuple(eos_token_ids)
+        self._grammar = grammar
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[torch.device, torch.Generator] = {}
 
@@ -231,13 +236,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         output_ids: Sequence[Sequence[int]],
         prompt_ids: Sequence[Sequence[int]] | None = None,
+        grammars: Sequence[Matcher | None] | None = None,
     ) -> SampleOutput:
         """Pick one token per row.
 
         logits: [B, V] float32, row i belongs to params[i]. ``output_ids[i]`` are the tokens the
         request generated so far (its length is the step number seeds are mixed with, and the
         frequency/presence penalties count them). ``prompt_ids`` is needed only when some row
-        has a repetition penalty.
+        has a repetition penalty. ``grammars[i]``, when not None, is row i's matcher, already
+        advanced by ``output_ids[i]``: only tokens it allows can be picked.
         """
         bsz, vocab = logits.shape
         if len(params) != bsz or len(output_ids) != bsz:
@@ -256,6 +263,8 @@ class Sampler:
             logits = apply_logit_bias(logits, params)  # [B, V]
         if any(len(o) < p.min_new_tokens for p, o in zip(params, output_ids)):
             logits = self._mask_ends(logits, params, output_ids)  # [B, V]
+        if grammars is not None and any(g is not None for g in grammars):
+            logits = self._mask_grammar(logits, grammars)  # [B, V]
         if all(greedy):
             token_ids = torch.argmax(logits, dim=-1)  # [B] int64; fast path, nothing else runs
         else:
@@ -294,6 +303,28 @@ class Sampler:
         r = torch.tensor(rows, dtype=torch.int64, device=device)  # [N]
         c = torch.tensor(cols, dtype=torch.int64, device=device)  # [N]
         out[r, c] = float("-inf")
+        return out
+
+    def _mask_grammar(self, logits: torch.Tensor, grammars: Sequence[Matcher | None]) -> torch.Tensor:
+        """-inf at every token a row's matcher refuses; rows without one are unchanged.
+
+        One bitmask for all constrained rows, filled by the backend in one call (its threads work
+        on the rows in parallel), unpacked and applied as one masked_fill. A row whose mask
+        allows nothing keeps only -inf: its argmax is a token the matcher then refuses, which the
+        scheduler reports as a dead end. logits: [B, V] float32.
+        """
+        if self._grammar is None:
+            raise RuntimeError("a request carries a grammar but this sampler has no grammar backend")
+        vocab = logits.shape[1]
+        if vocab != self._grammar.vocab_size:
+            raise RuntimeError(f"logits have {vocab} columns; the grammar backend was built for {self._grammar.vocab_size}")
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        bitmask = torch.zeros(len(rows), bitmask_width(vocab), dtype=torch.int32)  # [G, W]
+        self._grammar.fill_bitmask([(grammars[i], j) for j, i in enumerate(rows)], bitmask)  # type: ignore[misc]
+        allowed = allowed_from_bitmask(bitmask.to(logits.device), vocab)  # [G, V] bool
+        idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [G]
+        out = logits.clone()  # [B, V]
+        out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
         return out
 
     def _sample_mixed(

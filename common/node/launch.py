@@ -42,6 +42,7 @@ from common.config import (
     AttentionConfig,
     CacheConfig,
     ConfigError,
+    GrammarConfig,
     ModelConfig,
     NodeConfig,
     ParallelConfig,
@@ -119,6 +120,19 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
                    help="start without a cluster secret although --host is not a loopback address "
                         "(default: PDC_INSECURE; off: such a node refuses to start)")
+    p.add_argument("--grammar-backend", default=GrammarConfig.backend, choices=("llguidance", "none"),
+                   help=f"constrained decoding (json_schema, regex, ebnf, response_format); none: such requests get a 400 {d}")
+    p.add_argument("--grammar-cache-size", type=int, default=GrammarConfig.cache_size,
+                   help=f"compiled grammars kept per node (least recently used evicted) {d}")
+    p.add_argument("--grammar-threads", type=int, default=GrammarConfig.threads,
+                   help=f"threads compiling grammars and computing the batch's token masks {d}")
+    p.add_argument("--grammar-compile-timeout-s", type=float, default=GrammarConfig.compile_timeout_s,
+                   help=f"a request whose grammar has not compiled this long after it arrived fails (400) {d}")
+
+
+def grammar_config(ns: argparse.Namespace) -> GrammarConfig:
+    return GrammarConfig(backend=ns.grammar_backend, cache_size=ns.grammar_cache_size, threads=ns.grammar_threads,
+                         compile_timeout_s=ns.grammar_compile_timeout_s)
 
 
 def model_config(ns: argparse.Namespace) -> ModelConfig:

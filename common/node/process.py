@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from common import envs
-from common.config import CacheConfig, NodeConfig
+from common.config import CacheConfig, GrammarConfig, NodeConfig
 from common.cpu_budget import apply_scheduler_budget
 from common.ipc.node_io import NodeIO, flush_cache
 from common.ipc.protocol import AbortReq, FlushCacheReq, GenerateReq, IpcEndpoints, ReqOutput, WorkItem
@@ -45,7 +45,10 @@ from common.parallel import SINGLE_RANK, TPGroup, init_tp_group, rank_cpu_config
 
 if TYPE_CHECKING:
     from common.engine.driver import EngineDriver
+    from common.grammar.backend import GrammarBackend
+    from common.tokenizer import Tokenizer
     from common.engine.model_runner import ModelRunner
+    from common.grammar.cache import GrammarCache
     from common.sched.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -82,10 +85,12 @@ class RolePart(Protocol):
         ...
 
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
-                        manager: TransferManager, agreement: RankAgreement) -> tuple[NodeScheduler, StepStats]:
+                        manager: TransferManager, agreement: RankAgreement,
+                        grammars: GrammarCache | None = None) -> tuple[NodeScheduler, StepStats]:
         """``agreement``: the clock the scheduler must read and how it agrees local verdicts
         with the node's other TP ranks (``ONE_RANK`` at tp = 1); the scheduler must get the
-        manager through ``transfer.agreed.agreed_manager``."""
+        manager through ``transfer.agreed.agreed_manager``. ``grammars``: the node's compile
+        cache (None: structured outputs off)."""
         ...
 
     def ready_info(self) -> dict:
@@ -118,15 +123,21 @@ class NodeProcess:
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
         self.io: NodeIO | None = None
         try:
-            sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids)  # masks ends before min_new_tokens
+            backend, self.grammars = build_grammars(cfg.grammar, tokenizer, self.runner.arch.vocab_size)
+            # The sampler masks ends before min_new_tokens and, with a backend, what grammars refuse.
+            sampler = Sampler(eos_token_ids=tokenizer.eos_token_ids, grammar=backend)
             self.clock = StepClock()
             self.agreement = ONE_RANK if group.size == 1 else RankAgreement.of(self.sync, self.clock)
+            if self.grammars is not None:  # TP: a grammar is ready (or failed) on every rank at once
+                self.grammars.agree_min = self.agreement.agree_min_int
             self.scheduler, self.stats = part.build_scheduler(
                 self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
-                self.manager, self.agreement)
+                self.manager, self.agreement, self.grammars)
             if group.is_first:
                 self.io = NodeIO(endpoints, self.stats, defer_flush=group.size > 1)
                 self.manager.set_state_listener(self.io.wake)
+                if self.grammars is not None:  # a finished compile wakes the loop like a finished transfer
+                    self.grammars.set_listener(self.io.wake)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
             self._close_part()
@@ -151,6 +162,8 @@ class NodeProcess:
         self.manager.close()
         if self.io is not None:
             self.io.close()
+        if self.grammars is not None:
+            self.grammars.close()
         self._close_part()
         self.group.close()
 
@@ -158,6 +171,18 @@ class NodeProcess:
         close_part = getattr(self._part, "close", None)  # what a role opened beside the manager
         if close_part is not None:
             close_part()
+
+
+def build_grammars(cfg: GrammarConfig, tokenizer: Tokenizer, vocab_size: int) -> tuple[GrammarBackend | None, GrammarCache | None]:
+    """The node's grammar backend over its own tokenizer (built once here) and its compile cache;
+    (None, None) with ``--grammar-backend none``."""
+    from common.grammar.factory import load_backend
+    from common.grammar.cache import GrammarCache
+
+    backend = load_backend(cfg.backend, tokenizer.backend_json(), vocab_size, sorted(tokenizer.eos_token_ids), cfg.threads)
+    if backend is None:
+        return None, None
+    return backend, GrammarCache(backend, capacity=cfg.cache_size, threads=cfg.threads, timeout_s=cfg.compile_timeout_s)
 
 
 class LoopIO(Protocol):

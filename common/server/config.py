@@ -44,6 +44,8 @@ class ApiConfig:
     cluster_secret: str | None = field(default=None, repr=False)
     # Also take the bare secret as a bearer token (sglang-router 0.3.2 sends nothing else).
     accept_bearer_secret: bool = False
+    # The scheduler's grammar backend: specs are checked against it at parse time ("none": 400).
+    grammar_backend: str = "llguidance"
 
     @property
     def model_name(self) -> str:
@@ -92,6 +94,7 @@ class ApiConfig:
             bootstrap_port=cfg.transfer.bootstrap_port,
             cluster_secret=cfg.transfer.cluster_secret,
             accept_bearer_secret=cfg.transfer.accept_bearer_secret,
+            grammar_backend=cfg.grammar.backend,
             server_info_extra={
                 "page_size": cfg.cache.page_size,
                 "max_total_tokens": cfg.cache.max_total_tokens,

@@ -4,6 +4,10 @@ Everything here is pure: a JSON body (already decoded) plus the tokenizer and co
 ``ParsedRequest`` (a list of ``SubRequest`` the scheduler can run as-is) out, or ``ApiError(400)``
 naming the first bad field. Nothing reaches the scheduler before parsing succeeded.
 
+Grammars (``json_schema`` / ``regex`` / ``ebnf``, however the API spells them) are compiled here
+once without a vocabulary (``common.grammar.backend.check_spec``, cached), so an invalid schema,
+an unimplemented keyword or a regex that does not parse is a 400 naming the reason.
+
 Length policy: a prompt must be non-empty and
 strictly shorter than ``context_length``; ``max_new_tokens`` (however the API spells it) is
 clipped to ``context_length - prompt_len`` so a too-large value ends with finish reason
@@ -24,15 +28,20 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from common.pd_contract import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, is_room, sequence_room
 from common.pd_contract import all_ints as all_ints, is_int as is_int  # the API's checks are the contract's
+from common.grammar.factory import check_spec
+from common.grammar.spec import schema_text, spec_of
 from common.request import MAX_SEED, InvalidRequest, SamplingParams
 from common.server.config import ApiConfig
 from common.server.errors import ApiError, bad_request
+
+if TYPE_CHECKING:
+    from common.server.tools import ToolPlan
 
 Kind = Literal["generate", "completion", "chat"]
 
@@ -65,6 +74,7 @@ class ParsedRequest:
     return_text_in_logprobs: bool = False  # native only
     return_timeline: bool = False  # OpenAI only: add each choice's stage timeline (native: always)
     arrival_time: float = field(default_factory=time.time)
+    tools: ToolPlan | None = None  # chat only: the tools whose calls the answer is parsed for
 
 
 # ---- typed field access ------------------------------------------------------------------------
@@ -129,10 +139,16 @@ def normalize_stop(v: Any) -> list[str]:
 
 
 def build_sampling(fields: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from a dict; nulls mean "default", unknown keys are ignored."""
+    """SamplingParams from a dict; nulls mean "default", unknown keys are ignored. A
+    ``json_schema`` may be an object or JSON text (SGLang sends text); it travels as text."""
     clean = {k: v for k, v in fields.items() if v is not None}
     if "stop" in clean:
         clean["stop"] = normalize_stop(clean["stop"])
+    if "json_schema" in clean:
+        try:
+            clean["json_schema"] = schema_text(clean["json_schema"], "'json_schema'")
+        except InvalidRequest as exc:
+            raise bad_request(str(exc)) from exc
     try:
         return msgspec.convert(clean, SamplingParams)
     except msgspec.ValidationError as exc:
@@ -225,5 +241,10 @@ def finalize_sub(sub: SubRequest, cfg: ApiConfig, vocab_size: int, sample: int) 
         s.validate(vocab_size)
     except InvalidRequest as exc:
         raise ApiError(400, str(exc)) from exc
+    spec = spec_of(s)
+    if spec is not None:  # checked here so a spec that cannot compile allocates nothing anywhere
+        reason = check_spec(spec, cfg.grammar_backend)
+        if reason is not None:
+            raise bad_request(reason)
     s.max_new_tokens = min(s.max_new_tokens, cfg.context_length - n_prompt)
     s.seed = sample_seed(s.seed, sample)  # after validate: an invalid seed must not wrap into range

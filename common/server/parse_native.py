@@ -23,8 +23,7 @@ from common.server.textio import TokenizerLike
 
 _UNSUPPORTED_BODY = ("image_data", "audio_data", "input_embeds", "lora_path", "session_params",
                      "custom_logit_processor", "return_hidden_states")
-_UNSUPPORTED_SAMPLING = ("regex", "json_schema", "ebnf", "structural_tag",
-                         "no_stop_trim", "custom_params")
+_UNSUPPORTED_SAMPLING = ("structural_tag", "no_stop_trim", "custom_params")
 
 
 def _prompts(body: dict, tok: TokenizerLike) -> tuple[list[list[int]], bool]:

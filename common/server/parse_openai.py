@@ -4,8 +4,14 @@ Accepts what sglang-router 0.3.2 rebuilds (``"model": null``/``"unknown"``, ``ma
 many default fields) and the SGLang/vLLM extras benchmark clients send (``ignore_eos``,
 ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``seed``, ``n``, logprobs,
 ``stream_options.include_usage``). Unknown fields are ignored; known features we do not
-implement (constrained decoding, logit bias, tools, echo, ...) are rejected with 400 rather
-than silently producing different output.
+implement (legacy ``functions``, echo, structural tags, ...) are rejected with 400 rather than
+silently producing different output. ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` on chat:
+``common.server.tools``.
+
+Structured outputs: ``response_format`` ``{"type": "json_object"}`` (any JSON object) and
+``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``, and SGLang's extras
+``json_schema`` / ``regex`` / ``ebnf`` at the top level; at most one per request. They become the
+``SamplingParams`` grammar fields (common/grammar).
 
 With ``n > 1`` and a ``seed``, sample j uses ``seed + j`` (``parse_common.sample_seed``) so the n
 choices differ yet stay reproducible.
@@ -15,6 +21,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from common.grammar.factory import check_spec
+from common.grammar.spec import JSON_OBJECT_SCHEMA, GrammarSpec, schema_text
 from common.request import InvalidRequest
 from common.server.config import ApiConfig
 from common.server.errors import bad_request
@@ -32,12 +40,13 @@ from common.server.parse_common import (
     reject_unsupported,
 )
 from common.server.textio import TokenizerLike
+from common.server.tools import ToolPlan, parse_tools
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                   "presence_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens")
-_UNSUPPORTED = ("regex", "ebnf", "json_schema", "structural_tag", "suffix", "echo",
+_UNSUPPORTED = ("structural_tag", "suffix", "echo",
                 "no_stop_trim", "lora_path", "session_params", "return_hidden_states",
-                "tools", "functions", "continue_final_message")
+                "functions", "continue_final_message")
 
 
 def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
@@ -45,9 +54,6 @@ def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     reject_unsupported(body, _UNSUPPORTED)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise bad_request("'response_format' other than text is not supported by this server")
     n = get_int(body, "n", 1)
     assert n is not None
     if n < 1:
@@ -95,8 +101,45 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
     return out
 
 
+def _grammar(body: dict) -> dict[str, str | None]:
+    """The grammar fields of SamplingParams from ``response_format`` or SGLang's top-level extras."""
+    out: dict[str, Any] = {k: body.get(k) for k in ("json_schema", "regex", "ebnf")}
+    fmt = body.get("response_format")
+    if fmt is None:
+        return out
+    if not isinstance(fmt, dict):
+        raise bad_request("'response_format' must be an object")
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return out
+    if any(v is not None for v in out.values()):
+        raise bad_request("give either 'response_format' or one of 'json_schema', 'regex', 'ebnf', not both")
+    if kind == "json_object":
+        out["json_schema"] = JSON_OBJECT_SCHEMA
+        return out
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}")
+    js = fmt.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad_request("'response_format.json_schema' must be an object with 'name' and 'schema'")
+    name = js.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request("'response_format.json_schema.name' must be a string")
+    if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean")
+    schema = js.get("schema")
+    # OpenAI makes the schema optional: without one the answer is any JSON object. strict asks
+    # OpenAI to hold the output to the schema exactly, which constrained decoding always does.
+    try:
+        out["json_schema"] = JSON_OBJECT_SCHEMA if schema is None else schema_text(schema, "'response_format.json_schema.schema'")
+    except InvalidRequest as exc:
+        raise bad_request(str(exc)) from exc
+    return out
+
+
 def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts: list[list[int]], n: int,
-             max_new: int, logprob: bool, top: int, stream: bool, include_usage: bool) -> ParsedRequest:
+             max_new: int, logprob: bool, top: int, stream: bool, include_usage: bool,
+             tools: ToolPlan | None = None) -> ParsedRequest:
     count = len(prompts) * n
     if count > cfg.max_batch_size:
         raise bad_request(f"{count} sequences in one request; the limit is {cfg.max_batch_size}")
@@ -104,6 +147,13 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
     fields["max_new_tokens"] = max_new
     fields["logit_bias"] = _logit_bias(body.get("logit_bias"))
     fields["min_new_tokens"] = body.get("min_tokens")  # vLLM's name for SGLang's min_new_tokens
+    fields.update(_grammar(body))
+    tool_grammar = tools.grammar() if tools is not None else None
+    if tool_grammar is not None:  # tool_choice required / named: the calls are the grammar
+        if any(fields[k] is not None for k in ("json_schema", "regex", "ebnf")):
+            raise bad_request("tool_choice required or a named function constrains the output already: "
+                              "drop 'response_format' (or json_schema / regex / ebnf)")
+        fields["ebnf"] = tool_grammar
     build_sampling(fields)  # type errors once, before the fan-out
     boots = expand_bootstrap(body, count, cfg.bootstrap_port)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
@@ -121,7 +171,7 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
             subs.append(sub)
     return ParsedRequest(kind=kind, rid=parent, subs=subs, stream=stream,  # type: ignore[arg-type]
                          model=cfg.model_name, n=n, include_usage=include_usage,
-                         return_timeline=get_bool(body, "return_timeline"))
+                         return_timeline=get_bool(body, "return_timeline"), tools=tools)
 
 
 def parse_completion(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
@@ -165,8 +215,11 @@ def parse_chat(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list")
     msgs = [_check_message(i, m) for i, m in enumerate(messages)]
+    tools = parse_tools(body, getattr(tok, "chat_template", None),
+                        lambda schema: check_spec(GrammarSpec("json_schema", schema), cfg.grammar_backend))
+    extra = {"tools": tools.tools} if tools is not None else {}
     try:
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **extra)
     except InvalidRequest as exc:  # no template, or the template rejects this conversation
         raise bad_request(str(exc)) from exc
     assert isinstance(ids, list)
@@ -178,4 +231,4 @@ def parse_chat(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
         raise bad_request(f"'top_logprobs' must be in [0, 20], got {top}")
     # No max_tokens: the rest of the context (finalize_sub clips to it).
     return _fan_out("chat", body, cfg, tok, [ids], n, _max_tokens(body, cfg.context_length), logprob, top,
-                    stream, include_usage)
+                    stream, include_usage, tools)

@@ -12,6 +12,7 @@ import msgspec
 
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest
+from common.server.tools import extract_tool_calls, stream_safe_len
 from common.server.textio import TokenizerLike, token_piece
 
 DONE = b"data: [DONE]\n\n"
@@ -124,12 +125,24 @@ def completion_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLi
             "choices": choices, "usage": usage(req, states)}
 
 
+def _tool_answer(req: ParsedRequest, s: SubState) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a finished chat answer; calls only when the request had tools
+    and the answer ended on its own (a call cut short by max_tokens stays text)."""
+    if req.tools is None or s.finish is None or s.finish.type != "stop":
+        return s.text, []
+    return extract_tool_calls(s.text, req.tools)
+
+
 def chat_body(req: ParsedRequest, states: list[SubState], tok: TokenizerLike) -> dict:
     choices = []
     for s in states:
         reason, matched = _finish(s)
         lp = chat_logprobs(s, tok, 0, len(s.output_ids)) if s.sub.return_logprob else None
-        choices.append(_with_timeline(req, s, {"index": s.sub.index, "message": {"role": "assistant", "content": s.text},
+        content, calls = _tool_answer(req, s)
+        message: dict = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"], reason = calls, "tool_calls"
+        choices.append(_with_timeline(req, s, {"index": s.sub.index, "message": message,
                                                "logprobs": lp, "finish_reason": reason, "matched_stop": matched}))
     return {"id": req.rid, "object": "chat.completion", "created": int(req.arrival_time), "model": req.model,
             "choices": choices, "usage": usage(req, states)}
@@ -155,6 +168,7 @@ class StreamShaper:
         self.created = int(req.arrival_time)
         self._role_sent: set[int] = set()
         self._text_offset: dict[int, int] = {}
+        self._content_sent: dict[int, int] = {}  # chat with tools: characters of s.text sent as content
 
     def _openai(self, choice: dict) -> bytes:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -180,8 +194,12 @@ class StreamShaper:
                 chunks.append(self._openai({"index": idx, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}))
             lp = chat_logprobs(s, self.tok, start, end) if s.sub.return_logprob else None
-            choice = {"index": idx, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                      "finish_reason": reason}
+            delta_obj: dict = {"content": delta} if delta else {}
+            if self.req.tools is not None:
+                delta_obj, reason = self._tool_delta(s, reason)
+                if not delta_obj and reason is None and lp is None:
+                    return chunks
+            choice = {"index": idx, "delta": delta_obj, "logprobs": lp, "finish_reason": reason}
         else:
             lp = None
             if s.sub.return_logprob:
@@ -194,6 +212,28 @@ class StreamShaper:
             _with_timeline(self.req, s, choice)
         chunks.append(self._openai(choice))
         return chunks
+
+    def _tool_delta(self, s: SubState, reason: str | None) -> tuple[dict, str | None]:
+        """A chat stream with tools: content goes out up to where a tool call starts or may start
+        (``stream_safe_len``); at the end the calls go out as one ``tool_calls`` delta (each call
+        whole: name and complete arguments) and the finish reason becomes ``tool_calls``."""
+        assert self.req.tools is not None
+        idx = s.sub.index
+        sent = self._content_sent.get(idx, 0)
+        if not s.finished:
+            upto = stream_safe_len(s.text, self.req.tools)
+            self._content_sent[idx] = max(sent, upto)
+            return ({"content": s.text[sent:upto]} if upto > sent else {}), reason
+        content, calls = _tool_answer(self.req, s)
+        self._content_sent[idx] = len(s.text)
+        if not calls:
+            return ({"content": s.text[sent:]} if len(s.text) > sent else {}), reason
+        out: dict = {}
+        # What was streamed as content is a prefix of the text before the first call.
+        if content and len(content) > sent and content.startswith(s.text[:sent]):
+            out["content"] = content[sent:]
+        out["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        return out, "tool_calls"
 
     def usage_chunk(self, states: list[SubState]) -> bytes | None:
         if self.req.kind == "generate" or not self.req.include_usage:

@@ -124,6 +124,13 @@ class Tokenizer:
         """The vocabulary entry (not the decoded text) of ``token_id``; None outside the vocabulary."""
         return self._hf.convert_ids_to_tokens(token_id)
 
+    def backend_json(self) -> str:
+        """The Rust tokenizer serialized (tokenizer.json's form, added tokens included): what a
+        grammar backend builds its token trie from. Needs a fast tokenizer."""
+        if self._fast is None:
+            raise ValueError(f"the tokenizer at {self.path} is not a fast (Rust) tokenizer; structured outputs need one")
+        return self._fast.to_str()
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -105,6 +105,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--seed", type=int, default=1)
     w.add_argument("--vocab-size", type=int, help="prompt token ids are drawn from [0, this) "
                                                       "(default: the model's config.json)")
+    w.add_argument("--json-schema", metavar="JSON|@FILE", default=None,
+                   help="constrain every request by this JSON schema (structured outputs); 'bench' is one whose "
+                        "array never closes within --output-len, so runs with and without it compare equal lengths")
     w.add_argument("--warmup-requests", type=int, default=1, help="short requests sent first, not counted")
     r = ap.add_argument_group("report and bounds")
     r.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")

@@ -58,6 +58,9 @@ class Target:
     decode: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    # Every request constrained by this JSON schema (JSON text): /generate's sampling_params.json_schema,
+    # the completions endpoint's response_format. None: free output.
+    json_schema: str | None = None
 
 
 @dataclass
@@ -164,13 +167,20 @@ def sse_events(buf: bytearray) -> list[bytes]:
 
 
 def request_body(req: BenchRequest, target: Target) -> dict:
+    schema = target.json_schema
     if target.endpoint == "completions":
-        return {"model": target.model, "prompt": req.input_ids, "max_tokens": req.output_len, "temperature": 0.0,
+        body = {"model": target.model, "prompt": req.input_ids, "max_tokens": req.output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "return_timeline": True,  # ours; other servers ignore it
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.loads(schema)}}
+        return body
+    sampling: dict = {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0}
+    if schema is not None:
+        sampling["json_schema"] = schema
     return {
         "input_ids": req.input_ids,
-        "sampling_params": {"max_new_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0},
+        "sampling_params": sampling,
         "stream": True,  # a router asks the prefill for a stream too
     }
 

@@ -11,6 +11,13 @@ router's port; the nodes are only read for their counters and memory, and killed
     test_decode_killed_*      SIGKILL of a decode mid-stream: its streams end with an error event
                               within the bound; the other decode keeps serving
     test_workers_*            /workers DELETE and POST during a run: no request fails
+    test_structured_*         response_format json_schema over varied schemas (openai client, chat and
+                              completions, streamed and not, greedy and sampled): every answer parses and
+                              validates; greedy ones equal HF generate with the grammar as a logits
+                              processor; regex and EBNF on /generate; beta...parse with a pydantic
+                              model; tool_choice required / named give valid arguments (tool_calls,
+                              streamed and not); bad grammars and tool names are 400s that leave every
+                              node idle
 
 Every test ends with every live node back at idle memory (the leak check), and the tests run in
 file order on one cluster: the kill tests restart what they killed.
@@ -27,15 +34,18 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 from common.tokenizer import Tokenizer
 from common.cpu_budget import split_threads
 from common.tools.bench_report import scheduler_counters
 from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
-from tests.e2e.cluster import check_greedy, check_greedy_text, wait_idle
+from tests.e2e.cluster import NEAR_TIE, check_greedy, check_greedy_text, wait_idle
+from tests.e2e.grammar_schemas import SCHEMAS
 
 openai = pytest.importorskip("openai")
 
@@ -321,4 +331,148 @@ def test_workers_removed_and_added_during_a_run_fail_no_request(routed: Routed) 
     assert not failures, failures[:5]
     assert done[0] > 8
     assert len(routed.workers()) == 4 and all(w["healthy"] for w in routed.workers().values())
+    routed.wait_idle()
+
+
+# ---- structured outputs (after the fault tests, whose kill windows are timing-sensitive) -------------
+
+
+def check_constrained(r: Routed, prompt: list[int], got: list[int] | str, kind: str, spec: str, n: int, what: str) -> None:
+    """Greedy output under a grammar (token ids, or an OpenAI answer's text) equals HF generate with
+    that grammar as a logits processor (tests/reference.py: llguidance's matcher used directly,
+    none of our grammar code); after a near-tie step only what came before it must match."""
+    from tests.reference import hf_greedy_constrained
+
+    want, gaps = hf_greedy_constrained(r.model_dir, prompt, n, kind, spec)
+    tie = next((k for k, g in enumerate(gaps[: len(want)]) if g < NEAR_TIE), len(want))
+    if isinstance(got, str):  # text: re-encoding it need not give the ids the model chose
+        assert got.startswith(r.tok.decode(want[:tie])), f"{what}: got {got!r}, HF {r.tok.decode(want)!r}"
+        assert tie < len(want) or got == r.tok.decode(want), f"{what}: got {got!r}, HF {r.tok.decode(want)!r}"
+    else:
+        assert got[:tie] == want[:tie] and (tie < len(want) or got == want), f"{what}: got {got}, HF {want}"
+
+
+def structured_chat(r: Routed, name: str, stream: bool, greedy: bool, i: int) -> tuple[str, str | None, list[int]]:
+    """(answer text, finish_reason, prompt ids) of one chat request under SCHEMAS[name]; the greedy
+    ones of a schema share a prompt (one HF reference), the sampled ones each have their own."""
+    msgs = [{"role": "user", "content": f"record {'g' if greedy else i} as JSON ({name})"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+    sampling = {"temperature": 0} if greedy else {"temperature": 1.0, "seed": 100 + i}
+    resp = r.client().chat.completions.create(model=r.model, messages=msgs, max_tokens=160, stream=stream,
+                                              response_format=fmt, **sampling)  # type: ignore[arg-type]
+    if stream:
+        chunks = list(resp)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = next((c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason), None)
+    else:
+        text, finish = resp.choices[0].message.content or "", resp.choices[0].finish_reason
+    return text, finish, list(r.tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def test_structured_outputs_validate_and_greedy_match_hf(routed: Routed) -> None:
+    jobs = [(name, stream, greedy) for name in SCHEMAS for stream, greedy in ((False, True), (True, True), (True, False))]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(len(jobs)) as ex:  # all at once: constrained rows share batches with each other
+        results = list(ex.map(lambda j: structured_chat(routed, j[1][0], j[1][1], j[1][2], j[0]), enumerate(jobs)))
+    print(f"{len(jobs)} structured requests in {time.monotonic() - t0:.1f} s")
+    greedy_text: dict[str, str] = {}
+    for (name, stream, greedy), (text, finish, prompt) in zip(jobs, results):
+        what = f"{name} stream={stream} greedy={greedy}"
+        assert finish == "stop", f"{what}: finish {finish}, text {text!r}"
+        jsonschema.validate(json.loads(text), SCHEMAS[name])  # every answer parses and validates
+        if greedy and name in greedy_text:
+            assert text == greedy_text[name], f"{what}: streamed {text!r}, not {greedy_text[name]!r}"
+        elif greedy:
+            greedy_text[name] = text
+            check_constrained(routed, prompt, text, "json_schema", json.dumps(SCHEMAS[name]), 160, what)
+    routed.wait_idle()
+
+
+def test_structured_regex_and_ebnf_on_generate_match_hf(routed: Routed) -> None:
+    cases = [("regex", "(cache|node|room)-[0-9]{2,4}"), ("ebnf", 'root ::= "yes" | "no" | "maybe " [0-9]')]
+    for kind, spec in cases:
+        for stream in (False, True):
+            prompt = routed.tok.encode(f"answer with {kind}")
+            body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                                                                              kind: spec}}
+            with httpx.stream("POST", f"{routed.url}/generate", json=body, timeout=REQUEST_TIMEOUT_S + 15) as resp:
+                assert resp.status_code == 200, resp.read()
+                raw = resp.read().decode()
+            events = [json.loads(ln[6:]) for ln in raw.splitlines() if ln.startswith("data: {")] if stream else [json.loads(raw)]
+            final = events[-1]
+            assert final["meta_info"]["finish_reason"]["type"] == "stop", final
+            check_constrained(routed, prompt, final["output_ids"], kind, spec, 40, f"{kind} stream={stream}")
+    routed.wait_idle()
+
+
+def test_structured_openai_parse_with_a_pydantic_model(routed: Routed) -> None:
+    from enum import Enum
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, Enum):
+        red = "red"
+        blue = "blue"
+
+    class Item(BaseModel):
+        color: Color
+        count: int = Field(ge=0, le=9)
+
+    class Order(BaseModel):
+        id: int = Field(ge=1, le=999)
+        items: list[Item] = Field(max_length=3)
+        rush: bool
+
+    out = routed.client().beta.chat.completions.parse(
+        model=routed.model, messages=[{"role": "user", "content": "an order"}], response_format=Order, max_tokens=200,
+        temperature=0)
+    order = out.choices[0].message.parsed
+    assert isinstance(order, Order) and 1 <= order.id <= 999 and len(order.items) <= 3, out
+    assert out.choices[0].finish_reason == "stop"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}}, "required": ["tz"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_structured_tool_choice_returns_valid_arguments(routed: Routed, choice: Any) -> None:
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for stream in (False, True):
+        resp = routed.client().chat.completions.create(
+            model=routed.model, messages=[{"role": "user", "content": "what is the weather in Oslo?"}], tools=TOOLS,
+            tool_choice=choice, parallel_tool_calls=False, max_tokens=200, temperature=0, stream=stream)  # type: ignore[arg-type]
+        if stream:
+            chunks = [c for c in resp if c.choices]
+            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+            finish = chunks[-1].choices[0].finish_reason
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            msg = resp.choices[0].message
+            calls, finish, content = msg.tool_calls or [], resp.choices[0].finish_reason, msg.content or ""
+        assert finish == "tool_calls" and len(calls) == 1 and content == "", (stream, finish, calls, content)
+        name = calls[0].function.name
+        assert name in params and (choice == "required" or name == choice["function"]["name"])
+        jsonschema.validate(json.loads(calls[0].function.arguments), params[name])
+    routed.wait_idle()
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "strin"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}},
+     "Unimplemented keys"),
+    ({"regex": "[0-9"}, "invalid regex"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_wether"}}}, "not one of the tools"),
+])
+def test_structured_bad_grammars_are_400s_that_allocate_nothing(routed: Routed, body: dict, needle: str) -> None:
+    full = {"model": routed.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **body}
+    resp = httpx.post(f"{routed.url}/v1/chat/completions", json=full, timeout=REQUEST_TIMEOUT_S)
+    assert resp.status_code == 400 and needle in resp.text, resp.text
     routed.wait_idle()

@@ -2,7 +2,8 @@
 over TCP): docs/PROTOCOL.md §1 says our worker API must work behind it unmodified, so every request here
 goes to the router's port only. Greedy answers of ``/generate`` (single, batch, streamed),
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed and not) equal HF, alone and
-concurrently; requests the nodes refuse come back as a 4xx; both nodes end at idle memory.
+concurrently; structured outputs (response_format, /generate's regex) pass through and equal HF
+with the grammar applied; requests the nodes refuse come back as a 4xx; both nodes end at idle memory.
 
 The router runs from ``.venv-router`` (``make router-venv``, its own venv so its pins never meet
 ours) or from the interpreter named by ``PDC_TEST_SGLANG_ROUTER_PYTHON``; without a usable one
@@ -282,6 +283,37 @@ def test_concurrent_mixed_requests_match_hf(routed: Routed) -> None:
         results = list(ex.map(lambda j: run_job(routed, j), jobs))
     for i, (job, (got, meta)) in enumerate(zip(jobs, results)):
         check_job(routed, job, got, meta, f"job {i} {job.path} stream={job.stream}")
+    routed.cluster.wait_idle()
+
+
+def test_structured_outputs_behind_sglang_router(routed: Routed) -> None:
+    """response_format (chat, streamed and not) and /generate's regex survive the router's
+    rebuilt bodies: answers validate and equal HF generate with the grammar as a logits processor."""
+    import jsonschema
+
+    from tests.e2e.grammar_schemas import SCHEMAS
+    from tests.reference import hf_greedy_constrained
+
+    model_dir, name = routed.cluster.model_dir, "ref"
+    msgs = [{"role": "user", "content": "two points as JSON"}]
+    prompt = list(routed.tok.apply_chat_template(msgs, add_generation_prompt=True))
+    want, _ = hf_greedy_constrained(model_dir, prompt, 120, "json_schema", json.dumps(SCHEMAS[name]))
+    body = {"model": routed.model, "messages": msgs, "max_tokens": 120, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}}
+    out = routed.post("/v1/chat/completions", body)
+    assert out.status_code == 200, out.text
+    streamed = routed.stream("/v1/chat/completions", body)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"])
+    for got, finish in ((out.json()["choices"][0]["message"]["content"], out.json()["choices"][0]["finish_reason"]),
+                        (text, streamed[-1]["choices"][0]["finish_reason"])):
+        assert finish == "stop" and got == routed.tok.decode(want), (got, routed.tok.decode(want))
+        jsonschema.validate(json.loads(got), SCHEMAS[name])
+    regex = "(cache|node|room)-[0-9]{2,4}"
+    gen = routed.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 20, "temperature": 0,
+                                                                                "regex": regex}})
+    assert gen.status_code == 200, gen.text
+    want_ids, _ = hf_greedy_constrained(model_dir, [5, 6, 7], 20, "regex", regex)
+    assert gen.json()["output_ids"] == want_ids and gen.json()["meta_info"]["finish_reason"]["type"] == "stop"
     routed.cluster.wait_idle()
 
 

@@ -417,3 +417,21 @@ def test_min_new_tokens_above_max_is_rejected() -> None:
 
     with pytest.raises(InvalidRequest, match="min_new_tokens"):
         SamplingParams(max_new_tokens=3, min_new_tokens=4).validate()
+
+
+def test_driver_fast_path_leaves_bias_and_min_tokens_to_the_sampler() -> None:
+    """Greedy rows with logit_bias or min_new_tokens change the argmax: the driver's plain-greedy
+    shortcut (argmax of the raw logits) must not take them, or the bias is silently ignored."""
+    from types import SimpleNamespace
+
+    from common.engine.driver import EngineDriver, SampleSpec
+    from common.parallel import SINGLE_RANK
+
+    driver = EngineDriver(SimpleNamespace(tp=SINGLE_RANK), Sampler(seed=0, eos_token_ids=[3]))  # type: ignore[arg-type]
+    logits = torch.tensor([[0.0, 5.0, 1.0, 9.0]])  # raw argmax: 3 (the EOS)
+    cases = [(SamplingParams(temperature=0.0), 3),
+             (SamplingParams(temperature=0.0, logit_bias={2: 100.0}), 2),
+             (SamplingParams(temperature=0.0, min_new_tokens=1), 1)]
+    for params, want in cases:
+        [tok] = driver._sample(logits, [SampleSpec(params, [])])
+        assert tok is not None and tok.token_id == want, params

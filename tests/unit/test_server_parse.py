@@ -126,7 +126,8 @@ def test_one_room_for_several_sequences_becomes_consecutive_rooms(cfg: ApiConfig
     ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, ["max_new_tokens"]),
     ({"text": "a", "sampling_params": {"stop": [1]}}, ["stop"]),
     ({"text": "a", "sampling_params": {"stop_token_ids": [10**6]}}, ["stop_token_ids"]),
-    ({"text": "a", "sampling_params": {"regex": "a+"}}, ["regex", "not supported"]),
+    ({"text": "a", "sampling_params": {"regex": "(a+"}}, ["invalid regex", "unclosed group"]),
+    ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, ["structural_tag", "not supported"]),
     ({"text": "a", "sampling_params": [{}, {}]}, ["2 entries for 1 sequences"]),
     ({"text": "a", "sampling_params": "x"}, ["sampling_params"]),
     ({"text": "a", "stream": "yes"}, ["stream", "boolean"]),
@@ -235,7 +236,7 @@ def test_completion_default_max_tokens_is_16(cfg: ApiConfig, tok: Tokenizer) -> 
     ({"prompt": "a", "logit_bias": [1]}, ["logit_bias", "object"]),
     ({"prompt": "a", "best_of": 3}, ["best_of"]),
     ({"prompt": "a", "stream_options": 3}, ["stream_options"]),
-    ({"prompt": "a", "response_format": {"type": "json_object"}}, ["response_format"]),
+    ({"prompt": "a", "response_format": {"type": "xml"}}, ["response_format.type"]),
 ])
 def test_completion_rejects(cfg: ApiConfig, tok: Tokenizer, body: Any, needles: list[str]) -> None:
     bad(parse_completion, body, cfg, tok, *needles)

@@ -1,0 +1,179 @@
+"""OpenAI tool calling on ``/v1/chat/completions``: ``tools``, ``tool_choice``, ``parallel_tool_calls``.
+
+::
+
+    parse (API process)   tools checked (names, parameter schemas compiled like any json_schema)
+                          -> rendered by the model's chat template (``tools=``)
+                          tool_choice required / named -> a grammar (Lark, ``SamplingParams.ebnf``)
+                          holding the output to tool calls whose arguments follow the function's
+                          schema; auto -> free output; none -> neither parsed nor constrained
+    answer                tool calls parsed out of the text -> ``message.tool_calls`` (streams:
+                          ``delta.tool_calls``), finish_reason ``tool_calls``
+
+Two conventions, chosen by the chat template (a template that mentions ``<tool_call>`` is the
+Qwen/Hermes one)::
+
+    hermes   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (one block per call)
+    llama3   {"name": "f", "parameters": {...}}                            (the whole answer;
+             optionally after <|python_tag|>; several joined by ";")
+
+The grammar is plain text in the request like any other, so the prefill and the decode compile
+the same one (docs/ARCHITECTURE.md, "Structured outputs").
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from common.server.errors import bad_request
+
+Convention = Literal["hermes", "llama3"]
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict]  # OpenAI's tool objects, as the template receives them
+    params: dict[str, dict]  # function name -> its parameters schema
+    choice: Literal["auto", "required", "named"]  # tool_choice "none" makes no plan
+    name: str | None  # the named function
+    parallel: bool
+    convention: Convention
+
+    def grammar(self) -> str | None:
+        """Lark for required / named (None for auto): the answer is one call (or, with
+        ``parallel_tool_calls``, one or more for ``required``) whose arguments follow the schema."""
+        if self.choice == "auto":
+            return None
+        names = [self.name] if self.choice == "named" else list(self.params)
+        key = "arguments" if self.convention == "hermes" else "parameters"
+        # Compact JSON, as for response_format (llguidance.py says why).
+        calls = [{"type": "object", "properties": {"name": {"const": n}, key: self.params[n]},
+                  "required": ["name", key], "additionalProperties": False,
+                  "x-guidance": {"whitespace_flexible": False}} for n in names]
+        rules = [f"call{i}: %json {json.dumps(c)}" for i, c in enumerate(calls)]
+        one = " | ".join(f"call{i}" for i in range(len(calls)))
+        many = self.parallel and self.choice == "required"
+        if self.convention == "hermes":
+            block = f'"{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"'
+            start = f'start: block ("\\n" block)*\nblock: {block}' if many else f"start: {block}"
+        else:
+            start = 'start: body (";" body)*' if many else "start: body"
+        return "\n".join([start, f"body: {one}", *rules]) + "\n"
+
+
+def convention_of(chat_template: str | None) -> Convention:
+    return "hermes" if chat_template and HERMES_OPEN in chat_template else "llama3"
+
+
+def parse_tools(body: dict, chat_template: str | None, check_schema: Any) -> ToolPlan | None:
+    """The request's tool plan, None when it has no tools or says ``tool_choice: "none"``.
+    ``check_schema(schema_text) -> reason | None`` is the parse-time grammar check."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of tool objects")
+    params: dict[str, dict] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'")
+        if name in params:
+            raise bad_request(f"tools[{i}]: a second function named {name!r}")
+        schema = fn.get("parameters", _EMPTY_PARAMS)
+        if not isinstance(schema, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object")
+        reason = check_schema(json.dumps(schema))
+        if reason is not None:
+            raise bad_request(f"tools[{i}].function.parameters: {reason}")
+        params[name] = schema
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean")
+    named = None
+    if choice in (None, "auto"):
+        kind = "auto"
+    elif choice == "none":
+        return None
+    elif choice == "required":
+        kind = "required"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        named, kind = choice["function"].get("name"), "named"
+        if named not in params:
+            raise bad_request(f"'tool_choice' names {named!r}, which is not one of the tools ({', '.join(params)})")
+    else:
+        raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    return ToolPlan(tools=tools, params=params, choice=kind, name=named, parallel=parallel,  # type: ignore[arg-type]
+                    convention=convention_of(chat_template))
+
+
+# ---- the answer ----------------------------------------------------------------------------------
+
+
+def _call(name: Any, args: Any) -> dict | None:
+    if not isinstance(name, str) or not isinstance(args, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def extract_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """(content left once the calls are taken out, or None; the calls). Text that holds no
+    complete, well-formed call of a known function comes back whole as content, with no calls."""
+    calls: list[dict] = []
+    if plan.convention == "hermes":
+        pattern = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.S)
+        for m in pattern.finditer(text):
+            try:
+                obj = json.loads(m.group(1))
+            except ValueError:
+                return text, []
+            call = _call(obj.get("name"), obj.get("arguments", {})) if isinstance(obj, dict) else None
+            if call is None or obj.get("name") not in plan.params:
+                return text, []
+            calls.append(call)
+        rest = pattern.sub("", text).strip() if calls else text
+    else:
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        for part in body.split(";"):
+            try:
+                obj = json.loads(part)
+            except ValueError:
+                return text, []
+            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+            call = _call(obj.get("name") if isinstance(obj, dict) else None, args)
+            if call is None or obj.get("name") not in plan.params:
+                return text, []
+            calls.append(call)
+        rest = ""
+    return (rest or None) if calls else text, calls
+
+
+def stream_safe_len(text: str, plan: ToolPlan) -> int:
+    """How much of a streamed answer may go out as content before it is finished: everything up
+    to where a tool call starts or might start (a partial ``<tool_call>``, or for llama3 an answer
+    that begins like a JSON call), the rest held until the end."""
+    if plan.convention == "llama3":
+        head = text.lstrip()
+        return 0 if not head or head[0] == "{" or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)]) else len(text)
+    i = text.find(HERMES_OPEN)
+    if i >= 0:
+        return i
+    for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+        if HERMES_OPEN.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
