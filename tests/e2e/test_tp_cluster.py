@@ -11,6 +11,8 @@ One router of ours per combination, each in front of only its nodes:
 
     test_pairs_*               20 prompts through each router (half streamed): equal HF greedy;
                                every node idle at the end, rooms of every rank included
+    test_json_schema_*         a json_schema request through a TP pair and an unequal one: the grammar
+                               compiles on every rank, its readiness is agreed, the answer validates
     test_flush_cache_*         /flush_cache reaches every rank at the same step: a repeated prompt
                                hits the cache, is recomputed after the flush, and still equals HF
     test_prefill_rank_killed_* prefill rank 1 stops itself right before writing one room's KV (fault
@@ -128,6 +130,26 @@ def test_pairs_through_the_router_equal_hf(tp: TPCluster, router: str) -> None:
         outs = list(ex.map(lambda ip: tp.generate(ip[1], ip[0] % 2 == 1, tp.routers[router]), enumerate(prompts)))
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         check_greedy(tp.model_dir, prompt, out, N_NEW, f"{router} #{i} stream={i % 2 == 1}")
+    tp.wait_idle()
+
+
+SCHEMA = {"type": "object", "properties": {"rank": {"type": "integer", "minimum": 0, "maximum": 7},
+                                          "role": {"enum": ["prefill", "decode"]}},
+          "required": ["rank", "role"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("router", ["router-2to2", "router-1to2"])
+def test_json_schema_through_tp_nodes(tp: TPCluster, router: str) -> None:
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    body = {"text": "which rank?", "sampling_params": {"max_new_tokens": 48, "temperature": 0,
+                                                        "json_schema": json.dumps(SCHEMA)}}
+    r = httpx.post(tp.routers[router] + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+    jsonschema.validate(json.loads(out["text"]), SCHEMA)
     tp.wait_idle()
 
 
