@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.test_api_process import alphabet, free_port, spawn_node, stop_node, wait_healthy  # noqa: F401
+from tests.integration.test_api_process import free_port, spawn_node, stop_node, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -112,7 +112,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: str, alphabet: list[int]) -> Iterator[Server]:  # noqa: F811
+def node(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: str, alphabet: list[int]) -> Iterator[Server]:
     n = spawn_node(tmp_path_factory.mktemp("node"), tiny_qwen3, "decode", alphabet, step_s=0.005,
                    extra=("--max-n", str(MAX_N), *LIMITS))
     try:
