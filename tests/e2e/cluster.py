@@ -70,10 +70,10 @@ class Node:
 
     def kill(self, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> None:
         """Stop the node and every process it started (its own session = process group)."""
-        self.signal(sig)
+        self.signal_group(sig)
         self.reap(grace_s)
 
-    def signal(self, sig: int = signal.SIGTERM) -> None:
+    def signal_group(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
@@ -231,7 +231,7 @@ class Cluster:
         # (uvicorn, the scheduler, the registry), and one after the other that added up per cluster.
         nodes = (*self.extra_nodes, self.prefill, self.decode)
         for n in nodes:
-            n.signal()
+            n.signal_group()
         for n in nodes:
             n.reap()
 
