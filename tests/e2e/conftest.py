@@ -3,8 +3,9 @@ checks, the HF comparison) live in ``tests/e2e/cluster.py``.
 
     qwen3_pair   a prefill node + a decode node over real Mooncake TCP on loopback, qwen3, default
                  flags; one for the whole session (each start-up is seconds of CPU on a 2-core
-                 CI box), so every module using it must leave both nodes idle, as its tests
-                 check anyway
+                 CI box), shared by test_decode_pd, test_sglang_router (its router in front)
+                 and test_shared_room (a second decode beside it), so every module using it
+                 must leave both nodes idle, as its tests check anyway
     pd_cluster   the same pair, one per tiny arch (tests using it run for qwen3 and llama): the
                  qwen3 one is ``qwen3_pair``; the llama one is the module's own, torn down
                  (process groups killed) when the module is done with it. The llama pair's
