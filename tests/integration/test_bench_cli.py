@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -183,20 +182,13 @@ def test_cli_paired_direct_measures_the_router_per_pair(tmp_path: Path, tiny_dir
 
 
 def test_cli_bad_arguments() -> None:
-    cases = [["--launch"], ["--prefill", "http://x"], ["--launch", "--make-tiny-model", "--prefill", "http://x"],
-             ["--make-tiny-model", "--request-rate", "0"], ["--url", "http://x", "--decode", "http://y"],
-             ["--make-tiny-model", "--url", "http://x"], ["--make-tiny-model", "--num-decode", "0"],
-             ["--make-tiny-model", "--router", "none", "--num-prefill", "2"],
-             ["--make-tiny-model", "--paired-direct", "--router", "none"], ["--url", "http://x", "--paired-direct"],
-             ["--make-tiny-model", "--paired-direct", "--endpoint", "completions"],
-             ["--make-tiny-model", "--peer-args", "--stream-interval 4"]]
-
-    def run(args: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
+    for args in (["--launch"], ["--prefill", "http://x"], ["--launch", "--make-tiny-model", "--prefill", "http://x"],
+                 ["--make-tiny-model", "--request-rate", "0"], ["--url", "http://x", "--decode", "http://y"],
+                 ["--make-tiny-model", "--url", "http://x"], ["--make-tiny-model", "--num-decode", "0"],
+                 ["--make-tiny-model", "--router", "none", "--num-prefill", "2"],
+                 ["--make-tiny-model", "--paired-direct", "--router", "none"], ["--url", "http://x", "--paired-direct"],
+                 ["--make-tiny-model", "--paired-direct", "--endpoint", "completions"],
+                 ["--make-tiny-model", "--peer-args", "--stream-interval 4"]):
+        proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", *args], cwd=REPO, capture_output=True,
                               text=True, timeout=30)
-
-    # Each run is an interpreter start-up and the CLI's imports (~0.5 s of CPU, a second core
-    # idle): a few side by side instead of a dozen one after the other.
-    with ThreadPoolExecutor(4) as ex:
-        for args, proc in zip(cases, ex.map(run, cases)):
-            assert proc.returncode == 2 and "pdcluster bench:" in proc.stderr, (args, proc.stderr)
+        assert proc.returncode == 2 and "pdcluster bench:" in proc.stderr, (args, proc.stderr)
