@@ -70,13 +70,18 @@ class Node:
 
     def kill(self, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> None:
         """Stop the node and every process it started (its own session = process group)."""
+        self.signal_group(sig)
+        self.reap(grace_s)
+
+    def signal_group(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+
+    def reap(self, grace_s: float = 15.0) -> None:
+        """Wait (bounded) for a signalled node to exit, then SIGKILL whatever is left of its group."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group, if any
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -222,8 +227,13 @@ class Cluster:
         return node, port
 
     def stop(self) -> None:
-        for n in (*self.extra_nodes, self.prefill, self.decode):
-            n.kill()
+        # Every node is signalled before any is waited for: a node's graceful exit takes seconds
+        # (uvicorn, the scheduler, the registry), and one after the other that added up per cluster.
+        nodes = (*self.extra_nodes, self.prefill, self.decode)
+        for n in nodes:
+            n.signal_group()
+        for n in nodes:
+            n.reap()
 
 
 @contextlib.contextmanager

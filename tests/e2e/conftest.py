@@ -1,11 +1,16 @@
 """Fixtures of the e2e tier; the helpers (process start/kill, router-shaped requests, idle-memory
 checks, the HF comparison) live in ``tests/e2e/cluster.py``.
 
-    pd_cluster   a prefill node + a decode node over real Mooncake TCP on loopback, one per tiny
-                 arch (tests using it run for qwen3 and llama); shared by the tests of a module,
-                 torn down (process groups killed) when the module is done with that arch. The
-                 llama pair's decode streams every 3 tokens (--stream-interval 3), so every
-                 streamed check in those tests also runs on multi-token chunks
+    qwen3_pair   a prefill node + a decode node over real Mooncake TCP on loopback, qwen3, default
+                 flags; one for the whole session (each start-up is seconds of CPU on a 2-core
+                 CI box), shared by test_decode_pd, test_sglang_router (its router in front)
+                 and test_shared_room (a second decode beside it), so every module using it
+                 must leave both nodes idle, as its tests check anyway
+    pd_cluster   the same pair, one per tiny arch (tests using it run for qwen3 and llama): the
+                 qwen3 one is ``qwen3_pair``; the llama one is the module's own, torn down
+                 (process groups killed) when the module is done with it. The llama pair's
+                 decode streams every 3 tokens (--stream-interval 3), so every streamed check in
+                 those tests also runs on multi-token chunks
 """
 from __future__ import annotations
 
@@ -16,8 +21,16 @@ import pytest
 from tests.e2e.cluster import Cluster, running_cluster
 
 
+@pytest.fixture(scope="session")
+def qwen3_pair(tiny_qwen3: str) -> Iterator[Cluster]:
+    with running_cluster(tiny_qwen3) as c:
+        yield c
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def pd_cluster(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., str]) -> Iterator[Cluster]:
-    decode_args = ["--stream-interval", "3"] if request.param == "llama" else []
-    with running_cluster(tiny_model_factory(request.param), decode_args=decode_args) as c:
+    if request.param == "qwen3":
+        yield request.getfixturevalue("qwen3_pair")
+        return
+    with running_cluster(tiny_model_factory(request.param), decode_args=["--stream-interval", "3"]) as c:
         yield c

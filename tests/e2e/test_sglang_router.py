@@ -24,7 +24,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from common.tokenizer import Tokenizer
-from tests.e2e.cluster import REPO, Cluster, Node, check_greedy, check_greedy_text, free_port, running_cluster
+from tests.e2e.cluster import REPO, Cluster, Node, check_greedy, check_greedy_text, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -128,15 +128,16 @@ class Routed:
 
 
 @pytest.fixture(scope="module")
-def routed(router_python: str, tiny_model_factory: Callable[..., str]) -> Iterator[Routed]:
-    with running_cluster(tiny_model_factory("qwen3")) as cluster:
-        router = start_router(router_python, cluster)
-        try:
-            wait_router_ready(router, workers=2)
-            models = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
-            yield Routed(cluster, router.url, models[0]["id"], Tokenizer(cluster.model_dir))
-        finally:
-            router.kill(grace_s=5)
+def routed(router_python: str, qwen3_pair: Cluster) -> Iterator[Routed]:
+    """sglang-router in front of the session's qwen3 pair (tests/e2e/conftest.py); the router is
+    this module's, killed when it is done."""
+    router = start_router(router_python, qwen3_pair)
+    try:
+        wait_router_ready(router, workers=2)
+        models = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
+        yield Routed(qwen3_pair, router.url, models[0]["id"], Tokenizer(qwen3_pair.model_dir))
+    finally:
+        router.kill(grace_s=5)
 
 
 # ---- one request of each shape: send it, check it against HF ----------------------------------

@@ -9,6 +9,7 @@ TransferInfo's prompt digest), so the loser fails with a reason. Every node ends
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, Node, check_greedy, running_cluster, start_node, wait_healthy
+from tests.e2e.cluster import Cluster, Node, check_greedy, start_node, wait_healthy, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -26,14 +27,16 @@ N = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_qwen3: str) -> Iterator[tuple[Cluster, Node]]:
-    with running_cluster(tiny_qwen3) as c:
-        import os
-
-        d2 = start_node("decode", tiny_qwen3, c.common_args, None, os.path.dirname(c.prefill.log_path))
-        c.extra_nodes.append(d2)
+def cluster(qwen3_pair: Cluster) -> Iterator[tuple[Cluster, Node]]:
+    """The session's qwen3 pair and a second decode node of this module's own (killed when the
+    module is done: the pair goes on serving other modules)."""
+    c = qwen3_pair
+    d2 = start_node("decode", c.model_dir, c.common_args, None, os.path.dirname(c.prefill.log_path))
+    try:
         wait_healthy([d2])
         yield c, d2
+    finally:
+        d2.kill()
 
 
 def test_requests_that_share_a_room_fail_or_get_their_own_tokens(cluster: tuple[Cluster, Node]) -> None:
@@ -69,3 +72,4 @@ def test_requests_that_share_a_room_fail_or_get_their_own_tokens(cluster: tuple[
                     assert r.status_code in (409, 502, 503) and r.json()["error"]["message"], (trial, who, r.text)
     assert served["A"] + served["B"] >= TRIALS // 2, served  # the winners were served
     c.wait_idle()
+    wait_idle(d2.url)

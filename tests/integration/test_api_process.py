@@ -7,13 +7,13 @@ The fake scheduler's tokens are predictable: token k of a request is
 own decode of ids computed here, independent of the server. The fake logs every message it gets,
 which is how the tests see what reached the scheduler (and what did not).
 
-This file: the ops endpoints, /generate, the OpenAI endpoints and, last, the scheduler's death.
-test_api_process_errors (which imports the helpers and fixtures from here) covers bad input,
-failed transfers, disconnects, duplicate rids and aborts, and the prefill role.
+This file: the ops endpoints, /generate and the OpenAI endpoints. test_api_process_errors (which
+imports the helpers from here) covers bad input, failed transfers, disconnects, duplicate rids
+and aborts, the prefill role and, last, the scheduler's death. The nodes both files drive are
+the session's (tests/integration/conftest.py).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import signal
@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,48 +127,6 @@ def stop_node(node: Node) -> None:
     for p in (node.api, node.fake):
         _kill(p)
     node.stderr_file.close()
-
-
-@pytest.fixture(scope="module")
-def alphabet(tiny_qwen3: str) -> list[int]:
-    # The bare Rust tokenizer: no transformers import before the node processes start.
-    from tokenizers import Tokenizer as RustTokenizer
-
-    rust = RustTokenizer.from_file(os.path.join(tiny_qwen3, "tokenizer.json"))
-    return [rust.encode(w, add_special_tokens=False).ids[0] for w in WORDS]
-
-
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3: str, alphabet: list[int]) -> Iterator[dict[str, Node]]:
-    """Both roles, started together (start-up is mostly imports; they overlap). The decode node
-    watches its scheduler's pid: the last test of this file kills that scheduler."""
-    started: dict[str, Node] = {}
-    try:
-        started["decode"] = spawn_node(tmp_path_factory.mktemp("decode"), tiny_qwen3, "decode", alphabet,
-                                       step_s=0.005, watch_scheduler=True)
-        started["prefill"] = spawn_node(tmp_path_factory.mktemp("prefill"), tiny_qwen3, "prefill", alphabet,
-                                        step_s=0.3)
-        yield started
-    finally:
-        for node in started.values():
-            stop_node(node)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen3: str, nodes: dict[str, Node]) -> Tokenizer:
-    return Tokenizer(tiny_qwen3)  # loads while the nodes start
-
-
-@pytest.fixture(scope="module")
-def decode(nodes: dict[str, Node], tok: Tokenizer) -> Node:
-    wait_healthy(nodes["decode"])
-    return nodes["decode"]
-
-
-@pytest.fixture(scope="module")
-def prefill(nodes: dict[str, Node], tok: Tokenizer) -> Node:
-    wait_healthy(nodes["prefill"])
-    return nodes["prefill"]
 
 
 def expected_ids(alphabet: list[int], prompt_ids: list[int], n: int) -> list[int]:
@@ -331,19 +288,3 @@ def test_chat_router_style_n2(decode: Node, tok: Tokenizer, alphabet: list[int])
         [(2**63 - 1, 8123, True), (77, 9999, True)]
     whole = post(decode, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4}).json()
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": want}
-
-
-# ---- scheduler death ----------------------------------------------------------------------------
-
-
-def test_scheduler_death_fails_requests_with_503(decode: Node) -> None:
-    """Runs last in this file: it kills the decode node's scheduler (one API start-up fewer)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(post, decode, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1500},
-                                                          "rid": "orphan"})
-        decode.wait_received("generate", lambda m: client_rid(m["rid"]) == "orphan")
-        _kill(decode.fake)
-        r = pending.result(timeout=15)
-    assert r.status_code == 503 and "scheduler process exited" in r.json()["error"]["message"]
-    assert httpx.get(decode.url + "/health", timeout=5).status_code == 503
-    assert post(decode, "/generate", {"text": "a"}).status_code == 503

@@ -1,10 +1,11 @@
 """The API process for real, as in test_api_process (a fake scheduler process behind each API,
-driven over loopback HTTP), whose helpers and fixtures this file imports; the module-scoped
-fixtures start a pair of nodes for this file too.
+driven over loopback HTTP), whose helpers this file imports; the nodes are the session's pair
+(tests/integration/conftest.py), the same that test_api_process drives.
 
 Covered here: bad input gets a 400 and never reaches the scheduler, a failed transfer is a 5xx
-naming its room, client disconnects send an abort, duplicate and reused rids, /abort_request, and
-the prefill role (it answers after the transfer and runs to its end when its client leaves).
+naming its room, client disconnects send an abort, duplicate and reused rids, /abort_request,
+the prefill role (it answers after the transfer and runs to its end when its client leaves) and,
+last, the scheduler's death.
 """
 from __future__ import annotations
 
@@ -16,18 +17,7 @@ import pytest
 
 from common.ipc.scheduler_client import client_rid
 from common.tokenizer import Tokenizer
-from tests.integration.test_api_process import (  # noqa: F401  (alphabet, decode, nodes, prefill, tok are fixtures)
-    Node,
-    alphabet,
-    decode,
-    expected_ids,
-    nodes,
-    post,
-    post_once_free,
-    prefill,
-    sse_events,
-    tok,
-)
+from tests.integration.test_api_process import Node, _kill, expected_ids, post, post_once_free, sse_events
 
 pytestmark = pytest.mark.integration
 
@@ -187,3 +177,21 @@ def test_prefill_rid_reused_while_the_left_request_runs(prefill: Node, tok: Toke
     assert meta["id"] == "p-reuse" and meta["prompt_tokens"] == len(tok.encode(prompt)) != len(tok.encode("a"))
     sent = [m for m in prefill.received("generate") if client_rid(m["rid"]) == "p-reuse"]
     assert [m["bootstrap_room"] for m in sent] == [46, 47] and sent[0]["rid"] != sent[1]["rid"]
+
+
+# ---- scheduler death ----------------------------------------------------------------------------
+
+
+def test_scheduler_death_fails_requests_with_503(decode: Node) -> None:
+    """Runs last of this file and test_api_process (which sorts first): it kills the decode node's
+    scheduler, so the session's decode serves both files first (the fixture starts a fresh one
+    for any test after this)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, decode, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1500},
+                                                          "rid": "orphan"})
+        decode.wait_received("generate", lambda m: client_rid(m["rid"]) == "orphan")
+        _kill(decode.fake)
+        r = pending.result(timeout=15)
+    assert r.status_code == 503 and "scheduler process exited" in r.json()["error"]["message"]
+    assert httpx.get(decode.url + "/health", timeout=5).status_code == 503
+    assert post(decode, "/generate", {"text": "a"}).status_code == 503
