@@ -73,16 +73,24 @@ def check(timeline: dict, client_ms: float) -> None:
     assert before_write <= timeline["stages_ms"]["decode_hop"] + d["api_in"] + d["prealloc"] + d["kv_transfer"] + 5.0
 
 
-def timed(fn: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
-    t0 = time.monotonic()
-    r = fn()
-    return r, (time.monotonic() - t0) * 1000.0
+def timed(fn: Callable[[], httpx.Response], timeline: Callable[[httpx.Response], dict]) -> tuple[httpx.Response, float]:
+    """The response and the client's wall time of the call. The hop outside the timeline (client
+    <-> router) is a few ms, but a loaded 2-core box can stall the client process for tens of ms:
+    up to 3 tries, keeping the first whose gap is within the bound. A timeline that leaves time
+    out fails every try."""
+    for _ in range(3):
+        t0 = time.monotonic()
+        r = fn()
+        ms = (time.monotonic() - t0) * 1000.0
+        if r.status_code != 200 or 0 <= ms - timeline(r)["e2e_ms"] < CLIENT_HOP_MS:
+            break
+    return r, ms
 
 
 def test_generate_whole_answer_carries_a_timeline_that_adds_up(cluster: tuple[LocalCluster, str]) -> None:
     _, url = cluster
     with httpx.Client(timeout=TIMEOUT_S) as client:
-        r, ms = timed(lambda: client.post(url + "/generate", json=PROMPT))
+        r, ms = timed(lambda: client.post(url + "/generate", json=PROMPT), lambda r: r.json()["meta_info"]["timeline"])
     assert r.status_code == 200, r.text
     check(r.json()["meta_info"]["timeline"], ms)
 
@@ -94,7 +102,8 @@ def sse_events(r: httpx.Response) -> list[dict]:
 def test_generate_stream_carries_the_timeline_on_its_last_event(cluster: tuple[LocalCluster, str]) -> None:
     _, url = cluster
     with httpx.Client(timeout=TIMEOUT_S) as client:
-        r, ms = timed(lambda: client.post(url + "/generate", json={**PROMPT, "stream": True}))
+        r, ms = timed(lambda: client.post(url + "/generate", json={**PROMPT, "stream": True}),
+                      lambda r: sse_events(r)[-1]["meta_info"]["timeline"])
     assert r.status_code == 200, r.text
     events = sse_events(r)
     assert all("timeline" not in e["meta_info"] for e in events[:-1])
@@ -108,11 +117,14 @@ def test_openai_chat_timeline_only_when_asked(cluster: tuple[LocalCluster, str])
     with httpx.Client(timeout=TIMEOUT_S) as client:
         plain = client.post(url + "/v1/chat/completions", json=body)
         assert plain.status_code == 200 and "timeline" not in plain.text
-        r, ms = timed(lambda: client.post(url + "/v1/chat/completions", json={**body, "return_timeline": True}))
+        r, ms = timed(lambda: client.post(url + "/v1/chat/completions", json={**body, "return_timeline": True}),
+                      lambda r: r.json()["choices"][0]["timeline"])
         assert r.status_code == 200, r.text
         check(r.json()["choices"][0]["timeline"], ms)
         s, ms = timed(lambda: client.post(url + "/v1/chat/completions",
-                                          json={**body, "return_timeline": True, "stream": True}))
+                                          json={**body, "return_timeline": True, "stream": True}),
+                      lambda s: next(c for c in sse_events(s) if c["choices"] and "timeline" in c["choices"][0])
+                      ["choices"][0]["timeline"])
         chunks = sse_events(s)
         with_tl = [c for c in chunks if c["choices"] and "timeline" in c["choices"][0]]
         assert len(with_tl) == 1 and with_tl[0]["choices"][0]["finish_reason"] is not None
