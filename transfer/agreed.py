@@ -70,6 +70,7 @@ class AgreedHandle:
 
 
 _GAUGES = -1  # the key under which each rank's room count rides along with the rooms' states
+_IN_FLIGHT_ONLY = len(KVPoll)  # above every state: a terminal rank does not count in the in-flight MIN
 
 
 class AgreedRooms:
@@ -78,7 +79,8 @@ class AgreedRooms:
     A handle is tracked from creation (in creation order, which is the same on every rank) until
     its agreed state is terminal and it is not fenced; after that its answers never change, so
     it needs no more agreement. Each refresh is two small all-reduces for all live rooms
-    together (``StepSync.agree_min``): a room's state is the MIN over the ranks, its fence the MAX.
+    together (``StepSync.agree_min``): a room is terminal once it is on every rank (then Failed
+    if any rank failed), its fence is the MAX over the ranks.
     """
 
     def __init__(self, sync: StepSync, local_rooms: Callable[[], int] = lambda: 0) -> None:
@@ -117,15 +119,31 @@ class AgreedRooms:
         raise error
 
     def refresh(self) -> None:
-        """Every rank, at the start of every step, before the scheduler polls."""
+        """Every rank, at the start of every step, before the scheduler polls.
+
+        A room is terminal for the scheduler only once it is terminal on every rank: a rank whose
+        part is still in flight may still be written (decode) or read (prefill) through its pages,
+        so the scheduler must not free them yet. Until then it sees the lowest state among the
+        ranks still in flight; a rank that learns another failed aborts its own part, so the
+        room ends everywhere within the transfer layer's bounds."""
         self._poll_untracked()
-        local = {seq: (int(h.inner.poll()), -int(_fenced(h.inner))) for seq, h in self._live.items()}
-        local[_GAUGES] = (-self._local_rooms(), 0)
-        agreed = self._sync.agree_min(local, 2)
+        local = {}
+        for seq, h in self._live.items():
+            state = h.inner.poll()
+            local[seq] = (int(state), int(state.terminal), _IN_FLIGHT_ONLY if state.terminal else int(state),
+                          -int(_fenced(h.inner)))
+        local[_GAUGES] = (-self._local_rooms(), 0, 0, 0)
+        agreed = self._sync.agree_min(local, 4)
         self.max_rooms = -agreed.pop(_GAUGES)[0]
-        for seq, (state, neg_fenced) in agreed.items():
+        for seq, (lowest, all_terminal, lowest_in_flight, neg_fenced) in agreed.items():
             h = self._live[seq]
-            h._state, h._fenced = KVPoll(state), neg_fenced < 0
+            if all_terminal:
+                h._state = KVPoll(lowest)  # Failed if any rank failed, else Success
+            else:
+                h._state = KVPoll(lowest_in_flight)
+                if lowest == KVPoll.Failed and not h.inner.poll().terminal:
+                    h.inner.abort("its transfer failed on another TP rank of this node")
+            h._fenced = neg_fenced < 0
             if h._state.terminal and not h._fenced:
                 del self._live[seq]
 
