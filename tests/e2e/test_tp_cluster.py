@@ -15,12 +15,19 @@ One router of ours per combination, each in front of only its nodes:
                                compiles on every rank, its readiness is agreed, the answer validates
     test_flush_cache_*         /flush_cache reaches every rank at the same step: a repeated prompt
                                hits the cache, is recomputed after the flush, and still equals HF
+    test_client_abort_*        prefill1's rank 1 stops itself right before writing one room's KV
+                               while its rank 0 writes the other half into decode1; the client
+                               hangs up on the decode: the decode keeps the room's pages while
+                               rank 1 could still write, rank 1 resumes and writes, and only then
+                               are the pages back, once; the same pair then answers equal HF
     test_prefill_rank_killed_* prefill rank 1 stops itself right before writing one room's KV (fault
                                injection), then is SIGKILLed: the decode fails that room within the
                                dead-peer bound and gets every page back, though its rank 0 had
                                already received rank 0's half; the prefill's other rank exits too
-    test_decode_rank_killed_*  SIGKILL of decode rank 1: the whole decode node (API and rank 0) is
-                               gone within seconds; no rank process outlives it
+    test_decode_rank_killed_*  SIGKILL of decode rank 1 while requests run on it behind router-retry
+                               (prefill1 -> decode0, decode1): every request still answers equal HF
+                               (the router retried those decode0 lost on decode1), the whole decode0
+                               node (API and rank 0) is gone within seconds, no rank outlives it
 
 The tests run in file order on one cluster; the kill tests come last.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +45,7 @@ import pytest
 
 from common.tokenizer import Tokenizer
 from common.tools.local_cluster import LocalCluster, NodeInfo
-from tests.e2e.cluster import check_greedy, wait_idle
+from tests.e2e.cluster import check_greedy, is_idle, memory, metric, wait_idle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -61,6 +69,7 @@ def _pid_alive(pid: int) -> bool:
 
 ROUTERS = {"router-2to2": ("prefill0", "decode0"), "router-2to1": ("prefill0", "decode1"),
            "router-1to2": ("prefill2", "decode0"), "router-2p1d": ("prefill0", "prefill1", "decode1")}
+RETRY_ROUTER = ("prefill1", "decode0", "decode1")  # the decode-rank kill: decode1 takes decode0's requests
 
 
 class TPCluster:
@@ -75,9 +84,9 @@ class TPCluster:
     def info(self, name: str) -> dict:
         return httpx.get(self.node(name).url + "/server_info", timeout=10).json()
 
-    def generate(self, prompt: list[int], stream: bool, url: str | None = None) -> list[int]:
+    def generate(self, prompt: list[int], stream: bool, url: str | None = None, n_new: int = N_NEW) -> list[int]:
         url = url or self.url
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}, "stream": stream}
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n_new, **GEN}, "stream": stream}
         if not stream:
             r = httpx.post(url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
@@ -107,7 +116,8 @@ def tp(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPath
     try:
         cluster.start(model_dir, backend="mooncake", num_prefill=3, num_decode=2, prefill_tp=(2, 2, 1),
                       decode_tp=(2, 1), router="none", startup_timeout_s=180)
-        routers = {name: cluster.start_router(name, nodes, ROUTER_ARGS) for name, nodes in ROUTERS.items()}
+        routers = {name: cluster.start_router(name, nodes, ROUTER_ARGS)
+                   for name, nodes in {**ROUTERS, "router-retry": RETRY_ROUTER}.items()}
         yield TPCluster(cluster, routers, model_dir)
     except BaseException:
         print(cluster.log_tails(60))
@@ -178,6 +188,59 @@ def _state(pid: int) -> str:
         return f.read().split(")")[-1].split()[0]
 
 
+def _hang_up_later(url: str, body: dict) -> socket.socket:
+    """A streamed /generate sent on a raw socket, so the test hangs up exactly when it chooses
+    (closing the socket is what a client that goes away does; the node sees http.disconnect)."""
+    import json
+
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_client_abort_while_two_prefill_ranks_write_frees_decode_pages_once(tp: TPCluster) -> None:
+    prefill, decode = tp.node("prefill1"), tp.node("decode1")  # TP 2 -> TP 1: both ranks write into one pool
+    _, rank1 = tp.info("prefill1")["scheduler_rank_pids"]
+    prompt = tp.tok.encode("the client leaves while the second rank is about to write " * 3)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": FAULT_ROOM}
+    aborted = metric(decode.url, "pdc_scheduler_aborted_total")
+    with ThreadPoolExecutor(1) as ex:
+        p = ex.submit(httpx.post, prefill.url + "/generate", json={**body, "stream": True}, timeout=60)
+        client = _hang_up_later(decode.url, body)
+        try:
+            deadline = time.monotonic() + 30
+            while _state(rank1) != "T":  # rank 1 stopped before its write; rank 0 writes its half
+                assert time.monotonic() < deadline, "prefill rank 1 never reached the room's write"
+                time.sleep(0.05)
+        finally:
+            client.close()  # the client goes away
+        try:
+            deadline = time.monotonic() + 15
+            while metric(decode.url, "pdc_scheduler_aborted_total") <= aborted:
+                assert time.monotonic() < deadline, "the decode never aborted the room its client left"
+                time.sleep(0.05)
+            # Rank 1 can still write into the room's pages: the decode must keep them until it has
+            # answered (or is proven gone), however long that takes.
+            for _ in range(10):
+                mem = memory(decode.url)
+                assert not is_idle(mem), f"the decode freed the room's pages while a prefill rank could write: {mem}"
+                time.sleep(0.1)
+        finally:
+            os.kill(rank1, signal.SIGCONT)  # it writes its half, then reads the AbortRoom and answers
+        wait_idle(decode.url)
+        wait_idle(prefill.url)
+        assert p.result().status_code != 200 or "error" in p.result().text  # the prefill's room failed too
+    prompts = [tp.tok.encode(f"after the abort {i}: " + "pages come back clean " * (1 + i)) for i in range(4)]
+    for i, q in enumerate(prompts):  # the pages rank 1 wrote into are reused: every answer still equals HF
+        check_greedy(tp.model_dir, q, tp.generate(q, i % 2 == 1, tp.routers["router-2p1d"]), N_NEW, f"after abort #{i}")
+    tp.wait_idle()
+
+
+
 def test_prefill_rank_killed_mid_transfer_fails_the_room_and_frees_decode_pages(tp: TPCluster) -> None:
     prefill, decode = tp.node("prefill0"), tp.node("decode0")
     rank0, rank1 = tp.info("prefill0")["scheduler_rank_pids"]
@@ -206,12 +269,31 @@ def test_prefill_rank_killed_mid_transfer_fails_the_room_and_frees_decode_pages(
     assert httpx.get(prefill.url + "/health", timeout=10).status_code == 503
 
 
-def test_decode_rank_killed_takes_the_node_down(tp: TPCluster) -> None:
+def test_decode_rank_killed_takes_the_node_down_and_the_router_retries_elsewhere(tp: TPCluster) -> None:
+    decode0 = tp.node("decode0")
     info = tp.info("decode0")
     api_pid = tp.cluster.procs["decode0"].pid
     rank0, rank1 = info["scheduler_rank_pids"]
-    os.kill(rank1, signal.SIGKILL)
+    url, n_new = tp.routers["router-retry"], 32
+    prompts = [tp.tok.encode(f"retry {i}: a decode rank dies under this request " * (1 + i % 3)) for i in range(16)]
+    generated = metric(decode0.url, "pdc_scheduler_generated_tokens_total")
+    with ThreadPoolExecutor(8) as ex:
+        futs = [ex.submit(tp.generate, q, False, url, n_new) for q in prompts]
+        deadline = time.monotonic() + 30
+        while metric(decode0.url, "pdc_scheduler_generated_tokens_total") <= generated:  # requests run on decode0
+            assert time.monotonic() < deadline, "no request reached decode0"
+            time.sleep(0.02)
+        os.kill(rank1, signal.SIGKILL)
+        outs = [f.result() for f in futs]  # generate() asserts 200: none of them failed
+    for i, (q, out) in enumerate(zip(prompts, outs)):
+        check_greedy(tp.model_dir, q, out, n_new, f"retry #{i}")
+    assert metric(url, "pdc_router_retries_total") >= 1  # some ran on decode0 when it died, and were tried again
     deadline = time.monotonic() + 20
     while any(_pid_alive(p) for p in (api_pid, rank0)):
         assert time.monotonic() < deadline, "the decode node outlived its killed rank by 20 s"
         time.sleep(0.2)
+    more = [tp.tok.encode(f"after decode0 {i}: still served " * 2) for i in range(4)]
+    for q in more:  # decode0 is out of rotation: the router keeps answering from decode1
+        check_greedy(tp.model_dir, q, tp.generate(q, False, url), N_NEW, "after decode0")
+    wait_idle(tp.node("decode1").url)
+    wait_idle(tp.node("prefill1").url)
