@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -71,10 +72,11 @@ class NodeStats(Protocol):
 
 class NodeIO:
     def __init__(self, endpoints: IpcEndpoints, stats: NodeStats, max_batch: int = 4096, *,
-                 defer_flush: bool = False) -> None:
+                 defer_flush: bool = False, rank_wakes: bool = False) -> None:
         """``defer_flush`` (TP nodes): a /flush_cache request is not answered inside ``recv`` but
         queued in ``flushes`` for the loop, which flushes every rank at the same step and answers
-        with ``reply_flush``; flushing rank 0 alone would leave the ranks' caches different."""
+        with ``reply_flush``; flushing rank 0 alone would leave the ranks' caches different.
+        ``rank_wakes`` (TP nodes): the other ranks' ``RankWaker``s end the wait too."""
         self._stats = stats
         self._defer_flush = defer_flush
         self.flushes: list[FlushCacheReq] = []
@@ -99,6 +101,18 @@ class NodeIO:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        # On a TP node rank 0 paces every rank's loop, but each rank's transfer threads see only
+        # their own rooms: the other ranks wake it through this datagram socket, so a room that
+        # finishes last on rank 1 is stepped on now, not at the next busy-wait timeout.
+        self._rank_wake: socket.socket | None = None
+        self._rank_wake_path: str | None = None
+        if rank_wakes:
+            address = endpoints.rank_wake_address()
+            self._rank_wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._rank_wake.setblocking(False)
+            self._rank_wake.bind(address)
+            self._rank_wake_path = None if address.startswith("\0") else address
+            self._poller.register(self._rank_wake.fileno(), zmq.POLLIN)
         self._closed = False
         self.dropped_outputs = 0
 
@@ -124,6 +138,8 @@ class NodeIO:
             ready = dict(self._poller.poll(int(timeout_s * 1000)))
             if self._wake_r in ready:
                 self._drain_wakes()
+            if self._rank_wake is not None and self._rank_wake.fileno() in ready:
+                self._drain_rank_wakes()
             if self._pull not in ready:
                 return items
         for _ in range(self._max_batch):
@@ -146,6 +162,14 @@ class NodeIO:
     def _drain_wakes(self) -> None:
         try:
             while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _drain_rank_wakes(self) -> None:
+        assert self._rank_wake is not None
+        try:
+            while self._rank_wake.recv(64):
                 pass
         except BlockingIOError:
             pass
@@ -201,6 +225,37 @@ class NodeIO:
         self._ctx.term()
         os.close(self._wake_w)  # a late wake() from a transfer thread then gets OSError, ignored
         os.close(self._wake_r)
+        if self._rank_wake is not None:
+            self._rank_wake.close()
+            if self._rank_wake_path is not None:
+                try:
+                    os.unlink(self._rank_wake_path)
+                except FileNotFoundError:
+                    pass
+
+
+class RankWaker:
+    """A TP rank's (rank >= 1) ``wake()``: ends rank 0's ``NodeIO.recv`` wait when one of this
+    rank's rooms (or grammars) changes state. Any thread; never blocks; a wake sent before rank 0
+    bound its socket, or after it closed, is dropped (its busy-wait timeout is the backstop)."""
+
+    def __init__(self, endpoints: IpcEndpoints) -> None:
+        self._address = endpoints.rank_wake_address()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._closed = False
+
+    def wake(self) -> None:
+        if self._closed:  # the rank closes its transfer manager (the waking threads) first
+            return
+        try:
+            self._sock.sendto(b"w", self._address)
+        except OSError:  # not bound (yet, or any more), or its queue is full: a wake is pending anyway
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
 
 
 def flush_cache(stats: NodeStats) -> dict:

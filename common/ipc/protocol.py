@@ -204,7 +204,14 @@ class IpcEndpoints:
             base = os.path.join(directory or tempfile.gettempdir(), name)
         return cls(to_scheduler=f"ipc://{base}-in", from_scheduler=f"ipc://{base}-out")
 
+    def rank_wake_address(self) -> str:
+        """The AF_UNIX datagram address where a TP node's other ranks wake rank 0's loop
+        (``common.ipc.node_io.RankWaker``), derived from ``to_scheduler``: abstract like it on
+        Linux, else a socket file beside it."""
+        base = self.to_scheduler.removeprefix("ipc://").removesuffix("-in") + "-wake"
+        return "\0" + base[1:] if base.startswith("@") else base
+
     def socket_files(self) -> list[str]:
         """The filesystem paths behind these addresses (none for abstract ones)."""
-        paths = (a.removeprefix("ipc://") for a in (self.to_scheduler, self.from_scheduler))
-        return [p for p in paths if not p.startswith("@")]
+        paths = [a.removeprefix("ipc://") for a in (self.to_scheduler, self.from_scheduler)]
+        return [p for p in (*paths, self.rank_wake_address()) if not p.startswith(("@", "\0"))]

@@ -37,7 +37,7 @@ import msgspec
 from common import envs
 from common.config import CacheConfig, GrammarConfig, NodeConfig
 from common.cpu_budget import apply_scheduler_budget
-from common.ipc.node_io import NodeIO, flush_cache
+from common.ipc.node_io import NodeIO, RankWaker, flush_cache
 from common.ipc.protocol import AbortReq, FlushCacheReq, GenerateReq, IpcEndpoints, ReqOutput, WorkItem
 from common.node.contract import NodeScheduler, StepStats
 from common.node.tp_step import ONE_RANK, RankAgreement, StepClock, StepSync
@@ -122,6 +122,7 @@ class NodeProcess:
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
         self.io: NodeIO | None = None
+        self._waker: RankWaker | None = None
         try:
             backend, self.grammars = build_grammars(cfg.grammar, tokenizer, self.runner.arch.vocab_size)
             # The sampler masks ends before min_new_tokens and, with a backend, what grammars refuse.
@@ -134,10 +135,14 @@ class NodeProcess:
                 self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
                 self.manager, self.agreement, self.grammars)
             if group.is_first:
-                self.io = NodeIO(endpoints, self.stats, defer_flush=group.size > 1)
-                self.manager.set_state_listener(self.io.wake)
-                if self.grammars is not None:  # a finished compile wakes the loop like a finished transfer
-                    self.grammars.set_listener(self.io.wake)
+                self.io = NodeIO(endpoints, self.stats, defer_flush=group.size > 1, rank_wakes=group.size > 1)
+                wake = self.io.wake
+            else:  # rank 0 paces the loop: this rank's rooms and grammars wake it from here
+                self._waker = RankWaker(endpoints)
+                wake = self._waker.wake
+            self.manager.set_state_listener(wake)
+            if self.grammars is not None:  # a finished compile wakes the loop like a finished transfer
+                self.grammars.set_listener(wake)
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
             self._close_part()
@@ -162,6 +167,8 @@ class NodeProcess:
         self.manager.close()
         if self.io is not None:
             self.io.close()
+        if self._waker is not None:
+            self._waker.close()
         if self.grammars is not None:
             self.grammars.close()
         self._close_part()

@@ -1,6 +1,7 @@
 """NodeIO: the scheduler side of the API <-> scheduler IPC, driven by a hand-made API side."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from common.ipc.protocol import (
     encode,
 )
 from common.request import FinishReason, SamplingParams
-from common.ipc.node_io import NodeIO, RateMeter
+from common.ipc.node_io import NodeIO, RankWaker, RateMeter
 
 
 class Stats:
@@ -150,6 +151,35 @@ def test_a_wake_from_another_thread_ends_the_wait_at_once(pair: tuple[NodeIO, Ap
     assert [m.rid for m in _drain(io, 1)] == ["c"]
     io.close()
     io.wake()  # a transfer thread waking a closed NodeIO is a no-op, not an error
+
+
+@pytest.mark.parametrize("in_dir", [False, True], ids=["abstract", "socket-files"])
+def test_another_ranks_wake_ends_rank_0s_wait(tmp_path, in_dir: bool) -> None:
+    ep = IpcEndpoints.fresh(str(tmp_path) if in_dir else None)
+    early = RankWaker(ep)
+    early.wake()  # before rank 0 bound its socket: dropped, not an error
+    io = NodeIO(ep, Stats(), rank_wakes=True)
+    waker = RankWaker(ep)
+    try:
+        threading.Timer(0.2, waker.wake).start()  # rank 1's transfer thread, in another process in life
+        t0 = time.monotonic()
+        assert io.recv(timeout_s=30.0) == []
+        assert time.monotonic() - t0 < 10.0  # woken, not the 30 s timeout
+        for _ in range(10_000):  # a burst never blocks the waker, and one recv drains it
+            waker.wake()
+        assert io.recv(timeout_s=5.0) == []
+        t0 = time.monotonic()
+        assert io.recv(timeout_s=0.2) == []
+        assert time.monotonic() - t0 >= 0.15
+    finally:
+        io.close()
+    waker.wake()  # rank 0 gone: dropped
+    waker.close()
+    waker.wake()  # closed: a no-op
+    early.close()
+    if in_dir:
+        assert ep.rank_wake_address() in ep.socket_files()  # the launcher's cleanup list has it too
+        assert not os.path.exists(ep.rank_wake_address())  # rank 0 removed its socket file
 
 
 def test_send_batches_outputs_and_skips_empty(pair: tuple[NodeIO, ApiSide, Stats]) -> None:
