@@ -236,10 +236,23 @@ class NodeConfig:
 
 def resolve_device(device: str) -> str:
     if device == "auto":
+        if _cpu_only_torch():  # answered without importing torch: the API process never needs it
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def _cpu_only_torch() -> bool:
+    """True for PyTorch's CPU-only wheels (local version ``+cpu``, what requirements/cpu.lock
+    installs), where ``torch.cuda.is_available()`` is always False."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch").endswith("+cpu")
+    except PackageNotFoundError:
+        return False
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import CacheConfig, SchedulerConfig, TransferConfig
-from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
-from decode_node.req import DecodeSchedConfig
-from decode_node.scheduler import DecodeScheduler
-from decode_node.stats import DecodeStats
 
+# The scheduler's side (torch, the model) is imported in the build_* methods only: the API process
+# builds this part and pickles it to the spawned ranks, and need not import torch for that.
 if TYPE_CHECKING:
+    from decode_node.scheduler import DecodeScheduler
+    from decode_node.stats import DecodeStats
     from common.engine.driver import EngineDriver
     from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
@@ -55,6 +55,11 @@ class DecodePart:
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: DecodeKVManager, agreement: RankAgreement,
                         grammars: GrammarCache | None = None) -> tuple[DecodeScheduler, DecodeStats]:
+        from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+        from decode_node.req import DecodeSchedConfig
+        from decode_node.scheduler import DecodeScheduler
+        from decode_node.stats import DecodeStats
+
         s, memory = self.sched, runner.memory
         if self.transfer.backend != "fake" and envs.KV_INTEGRITY.get():  # the fake backend moves no bytes
             from common.engine.model_runner import page_digests

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import CacheConfig, KVEventsConfig, SchedulerConfig, TransferConfig
-from prefill_node.adder import PrefillBudget
-from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
-from prefill_node.stats import PrefillStats
 
+# The scheduler's side (torch, the model) is imported in the build_* methods only: the API process
+# builds this part and pickles it to the spawned ranks, and need not import torch for that.
 if TYPE_CHECKING:
+    from prefill_node.scheduler import PrefillScheduler
+    from prefill_node.stats import PrefillStats
     from common.engine.driver import EngineDriver
     from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
@@ -60,6 +61,10 @@ class PrefillPart:
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: PrefillKVManager, agreement: RankAgreement,
                         grammars: GrammarCache | None = None) -> tuple[PrefillScheduler, PrefillStats]:
+        from prefill_node.adder import PrefillBudget
+        from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
+        from prefill_node.stats import PrefillStats
+
         cfg = PrefillSchedConfig(
             budget=PrefillBudget.from_flags(self.sched.max_prefill_tokens, self.sched.chunked_prefill_size),
             policy=self.sched.schedule_policy,

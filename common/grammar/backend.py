@@ -18,11 +18,12 @@ llguidance (``common.grammar.llg``) is the one shipped (``common.grammar.factory
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.grammar.spec import GrammarSpec
+
+if TYPE_CHECKING:  # the API process imports this module for check_spec's types, without torch
+    import torch
 
 
 class GrammarError(Exception):
@@ -64,6 +65,8 @@ def bitmask_width(vocab_size: int) -> int:
 
 def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [B, W] bitmask -> bool [B, vocab_size] (bit t % 32 of word t // 32 is token t)."""
+    import torch  # the scheduler's side only (the API process imports this module without torch)
+
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [B, V]

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common import envs
 from common.auth import SecretError, check_exposure, resolve_secret
@@ -53,8 +53,10 @@ from common.config import (
 from common.cpu_budget import CpuBudgetError, CpuConfig, cpu_config
 from common.http_limits import BYTES_PER_TOKEN, MIN_NODE_BODY_BYTES
 from common.ipc.protocol import IpcEndpoints
-from common.node.process import RolePart, run_scheduler
 from common.server.config import ApiConfig
+
+if TYPE_CHECKING:  # the API process never imports the scheduler's side (torch, the model)
+    from common.node.process import RolePart
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +301,14 @@ def node_config(role: str, ns: argparse.Namespace, from_args: Callable[[argparse
     return cfg, api_cfg
 
 
+def run_scheduler_rank(*args: Any) -> None:
+    """The spawned rank's entry point: ``common.node.process.run_scheduler``, imported there, so
+    the API process that spawns it imports neither torch nor the model code."""
+    from common.node.process import run_scheduler
+
+    run_scheduler(*args)
+
+
 def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
              sidecar: Callable[[SchedulerChild], Sidecar] | None = None, exit_with_scheduler: bool = False) -> int:
     """Run one node until shutdown; the exit status (module docstring).
@@ -312,7 +322,7 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
 
     role = part.role
     endpoints = IpcEndpoints.fresh()
-    child = SchedulerChild(run_scheduler, (part, cfg, endpoints), f"pdc-{role}-scheduler", endpoints,
+    child = SchedulerChild(run_scheduler_rank, (part, cfg, endpoints), f"pdc-{role}-scheduler", endpoints,
                            cfg.parallel.tp_size)
     side = sidecar(child) if sidecar is not None else None
     stopping, died = threading.Event(), threading.Event()
