@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A bad configuration value, detected at start-up."""
 
 
+# Top logprobs of the first token carried in an aux row (transfer/aux.py): part of the wire layout,
+# so prefill and decode must use the same value (checked when the decode registers its KV args).
+AUX_TOP_K = 20
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
@@ -91,6 +96,9 @@ class SchedulerConfig:
             raise ConfigError(f"--schedule-policy {self.schedule_policy!r}: expected fcfs or lpm")
         if self.max_prefill_tokens < 1:
             raise ConfigError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0.0 <= self.new_token_ratio_min <= self.new_token_ratio_init <= 1.0:
+            raise ConfigError(f"new-token ratio: need 0 <= min ({self.new_token_ratio_min}) <= init "
+                              f"({self.new_token_ratio_init}) <= 1 (--schedule-conservativeness scales both)")
         if self.reserved_decode_tokens < 1:
             raise ConfigError(f"--num-reserved-decode-tokens must be >= 1, got {self.reserved_decode_tokens}")
         if self.prealloc_rows is not None and self.prealloc_rows < 0:
@@ -125,9 +133,8 @@ class TransferConfig:
     max_fence_s: float = field(default_factory=envs.MAX_FENCE_S.get)
     idle_peer_purge_s: float = field(default_factory=envs.IDLE_PEER_PURGE_S.get)
     write_timeout_s: float = field(default_factory=envs.MOONCAKE_TRANSFER_TIMEOUT_S.get)
-    # Top logprobs each aux row carries with the first token. It fixes the aux row layout, which
-    # both roles must share (transfer.aux.AUX_TOP_K is the same default; a test holds them equal).
-    aux_top_k: int = 20
+    # Top logprobs each aux row carries with the first token; fixes the aux row layout both roles share.
+    aux_top_k: int = AUX_TOP_K
     # The cluster's shared secret (common/auth.py), or None: access control off. It guards this
     # node's HTTP API, its bootstrap registry and the control plane. repr=False: never logged.
     cluster_secret: str | None = field(default=None, repr=False)

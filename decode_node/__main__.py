@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if built is None:
         return 2
     cfg, api_cfg = built
-    return run_node(cfg, api_cfg, DecodePart(cfg.sched, cfg.transfer), exit_with_scheduler=True)
+    return run_node(cfg, api_cfg, DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests), exit_with_scheduler=True)
 
 
 if __name__ == "__main__":

@@ -36,19 +36,31 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.config import SchedulerConfig
+
 CLIP_MAX_NEW_TOKENS = 4096  # worst-case estimates never assume more than this many new tokens
 
 
 @dataclass(frozen=True)
 class DecodeBudgetConfig:
+    """The budget's view of the node's settings (``from_sched``; the settings and their defaults
+    are declared once, in ``common.config.SchedulerConfig``) plus the pool it budgets."""
+
     page_size: int
     total_pages: int  # usable pages of the pool
-    reserved_decode_tokens: int = 128  # headroom per request; SGLang's default is 512 (GPU pools)
+    reserved_decode_tokens: int  # headroom per request; SGLang's default is 512 (GPU pools)
+    ratio_init: float
+    ratio_min: float
+    ratio_decay_steps: int
+    # Not settings: fixed parts of the policy.
     clip_max_new_tokens: int = CLIP_MAX_NEW_TOKENS
     retract_decode_steps: int = 20  # after a retraction the survivors must fit this many steps
-    ratio_init: float = 0.7
-    ratio_min: float = 0.1
-    ratio_decay_steps: int = 600
+
+    @classmethod
+    def from_sched(cls, s: SchedulerConfig, page_size: int, total_pages: int) -> DecodeBudgetConfig:
+        return cls(page_size=page_size, total_pages=total_pages, reserved_decode_tokens=s.reserved_decode_tokens,
+                   ratio_init=s.new_token_ratio_init, ratio_min=s.new_token_ratio_min,
+                   ratio_decay_steps=s.new_token_ratio_decay_steps)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.total_pages < 1:

@@ -32,19 +32,25 @@ if TYPE_CHECKING:
 class DecodePart:
     sched: SchedulerConfig
     transfer: TransferConfig
+    max_running_requests: int  # the node's --max-running-requests (CacheConfig's)
     role: str = "decode"
 
+    @property
+    def rows(self) -> int:
+        """Request rows: the running batch plus the rows rooms use while they pre-allocate,
+        transfer and wait (``prealloc_rows``, by default as many as the running batch)."""
+        prealloc = self.sched.prealloc_rows
+        return self.max_running_requests + (self.max_running_requests if prealloc is None else prealloc)
+
     def cache_config(self, cache: CacheConfig) -> CacheConfig:
-        self._max_running = cache.max_running_requests
-        prealloc = self.sched.prealloc_rows if self.sched.prealloc_rows is not None else self._max_running
-        self._rows = self._max_running + prealloc
-        return replace(cache, max_running_requests=self._rows, enable_prefix_cache=False)
+        assert cache.max_running_requests == self.max_running_requests, "the part was built from another config"
+        return replace(cache, max_running_requests=self.rows, enable_prefix_cache=False)
 
     def build_transfer(self, runner: ModelRunner, host: str) -> DecodeKVManager:
         from transfer.aux import AuxPool
         from transfer.factory import build_decode_manager, node_kv_args
 
-        self._aux: AuxPool = AuxPool(self._rows, top_k=self.transfer.aux_top_k)
+        self._aux: AuxPool = AuxPool(self.rows, top_k=self.transfer.aux_top_k)
         # Where slices from a prefill of another TP size land before they are copied into the
         # room's pages; a room that does not fit fails at once (503, the router retries).
         staging = runner.kv_pool.num_pages // 4 if self.transfer.staging_pages is None else self.transfer.staging_pages
@@ -65,10 +71,7 @@ class DecodePart:
             from common.engine.model_runner import page_digests
 
             memory.digests = page_digests(runner, self.transfer.cluster_secret)
-        bcfg = DecodeBudgetConfig(
-            page_size=memory.page_size, total_pages=memory.allocator.num_total,
-            reserved_decode_tokens=s.reserved_decode_tokens, ratio_init=s.new_token_ratio_init,
-            ratio_min=min(s.new_token_ratio_min, s.new_token_ratio_init), ratio_decay_steps=s.new_token_ratio_decay_steps)
+        bcfg = DecodeBudgetConfig.from_sched(s, memory.page_size, memory.allocator.num_total)
         chunk = s.chunked_prefill_size if s.chunked_prefill_size > 0 else s.max_prefill_tokens
         from transfer.agreed import agreed_manager
 
@@ -76,10 +79,10 @@ class DecodePart:
         scheduler = DecodeScheduler(
             engine, memory, rooms, self._aux, stop, DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
-            DecodeSchedConfig(max_running_requests=self._max_running, recompute_tokens_per_step=chunk,
+            DecodeSchedConfig(max_running_requests=self.max_running_requests, recompute_tokens_per_step=chunk,
                               check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
             agree_all=agreement.agree_all, grammars=grammars)
         return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms)
 
     def ready_info(self) -> dict:
-        return {"running_rows": self._max_running, "prealloc_rows": self._rows - self._max_running}
+        return {"running_rows": self.max_running_requests, "prealloc_rows": self.rows - self.max_running_requests}

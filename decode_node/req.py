@@ -85,11 +85,14 @@ class AuxSlots(Protocol):
 
 @dataclass(frozen=True)
 class DecodeSchedConfig:
+    """The scheduler's view of the node's settings (built in ``DecodePart.build_scheduler``; no
+    defaults of its own but ``drain_warn_s``, which is not a setting)."""
+
     max_running_requests: int
-    recompute_tokens_per_step: int = 2048  # resume budget per step (at least one request resumes)
-    check_aux_room: bool = True  # False with the fake backend: it writes no aux row
+    recompute_tokens_per_step: int  # resume budget per step (at least one request resumes)
+    check_aux_room: bool  # False with the fake backend: it writes no aux row
+    stream_interval: int  # a streamed request's tokens go out every this many (first and last at once)
     drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
-    stream_interval: int = 1  # a streamed request's tokens go out every this many (first and last at once)
 
 
 @dataclass

@@ -46,13 +46,16 @@ SenderFactory = Callable[..., KVSender]  # PrefillKVManager.create_sender(room, 
 
 @dataclass(frozen=True)
 class PrefillSchedConfig:
+    """The scheduler's view of the node's settings (built in ``PrefillPart.build_scheduler``;
+    no defaults of its own: each setting is declared once, in ``common.config``)."""
+
     budget: PrefillBudget
-    policy: Policy = "fcfs"
-    transfer_timeout_s: float = 60.0  # inflight without a terminal state this long -> abort the room
-    aux_top_k: int = 0  # top logprobs carried in the aux record (must match the transfer layout)
+    policy: Policy
+    transfer_timeout_s: float  # inflight without a terminal state this long -> abort the room
+    aux_top_k: int  # top logprobs carried in the aux record (must match the transfer layout)
     # The model's context length: a prompt this long leaves no room for a token (the API's rule).
     # None: only the request row (the context length rounded up to whole pages) bounds it.
-    context_len: int | None = None
+    context_len: int | None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.config import AUX_TOP_K  # the aux row's top-k, declared with the node's settings
 from transfer.buffers import BufferSet
 
 
@@ -32,9 +33,6 @@ class AuxRecord:
     kv_digest: bytes = b""  # 16 bytes when the prefill digests its KV, else empty
 
 
-# Top logprobs of the first token carried in an aux row. Part of the wire layout: prefill and
-# decode must use the same value (checked when the decode registers its KV args).
-AUX_TOP_K = 20
 KV_DIGEST_BYTES = 16  # common/kvcache/page_digest.py DIGEST_BYTES (transfer/ may not import common/kvcache)
 
 

@@ -83,7 +83,7 @@ class DecodeKVManager:
         args: KVArgs,
         engine: DataPlane,
         bootstrap: BootstrapClient,
-        config: KVManagerConfig = KVManagerConfig(),
+        config: KVManagerConfig,
     ) -> None:
         self.args, self.engine, self.config = args, engine, config
         self.instance_id = uuid.uuid4().hex

@@ -73,7 +73,7 @@ class PrefillKVManager:
         engine: DataPlane,
         bootstrap: BootstrapClient,
         bootstrap_addr: str,
-        config: KVManagerConfig = KVManagerConfig(),
+        config: KVManagerConfig,
     ) -> None:
         self.args, self.engine, self.config = args, engine, config
         self.instance_id = uuid.uuid4().hex

@@ -124,7 +124,7 @@ class Rig:
             plane = self.planes[name] = CountingPlane(
                 create_data_plane(name, host="127.0.0.1", transfer_timeout_s=cfg.transfer_timeout_s))
             self.managers[name] = PrefillKVManager(args, plane, HttpBootstrapClient(), self.addrs[name],
-                                                   KVManagerConfig(**MANAGER_CONFIG))
+                                                   KVManagerConfig.defaults(**MANAGER_CONFIG))
         self.sock = socket.create_connection(("127.0.0.1", info["sock_port"]), timeout=600)
         self.room = page_size << 20  # rooms unique per rig, so a late status cannot match another request
 

@@ -232,7 +232,7 @@ class _Decode:
         self.spec = spec
         self.aux = AuxPool(4, top_k=0)
         args = kv_args(spec.layout, spec.page_size, self.flat.data_ptr(), self.aux)
-        cfg = KVManagerConfig(**spec.manager_config)
+        cfg = KVManagerConfig.defaults(**spec.manager_config)
         sessions = {}
         for name in spec.backends:
             engine = create_data_plane(name, host="127.0.0.1", transfer_timeout_s=spec.transfer_timeout_s)

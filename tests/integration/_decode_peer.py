@@ -122,7 +122,7 @@ class DecodePeer:
                       state=KVArgs.state_from_pool(self.states), state_layout=state)
         engine = create_data_plane(backend, host="127.0.0.1", transfer_timeout_s=2.0)
         self.mgr = DecodeKVManager(args, engine, HttpBootstrapClient(timeout_s=2.0, lookup_timeout_s=5.0),
-                                   config or KVManagerConfig(tick_s=0.02))
+                                   config or KVManagerConfig.defaults(tick_s=0.02))
         self._rooms = 1 + int.from_bytes(os.urandom(4), "little")
 
     def close(self) -> None:

@@ -57,7 +57,7 @@ def serve(conn: multiprocessing.connection.Connection, spec: PeerSpec) -> None:
         for buf in pool.buffers():
             buf.copy_(torch.randn(buf.shape, generator=gen))  # [slots, kv_heads, head_dim]
     args = KVArgs(layout=layout, kv=KVArgs.kv_from_pool(pool), aux=aux.buffers(), aux_top_k=4)
-    cfg = KVManagerConfig(**(spec.config or {}))
+    cfg = KVManagerConfig.defaults(**(spec.config or {}))
     engine = create_data_plane(spec.backend, host="127.0.0.1", transfer_timeout_s=spec.transfer_timeout_s)
     client = HttpBootstrapClient(timeout_s=2.0, lookup_timeout_s=2.0)
     server = None

@@ -44,8 +44,8 @@ pytestmark = pytest.mark.integration
 
 LAYERS, PAGE, DIM, PAGES = 2, 4, 4, 16
 BUFFERS = 2 * LAYERS
-CFG = KVManagerConfig(bootstrap_timeout_s=5.0, waiting_timeout_s=10.0, heartbeat_interval_s=0.2,
-                      heartbeat_max_failures=3, hung_peer_quarantine_s=0.5, tick_s=0.01, num_workers=2)
+CFG = KVManagerConfig.defaults(bootstrap_timeout_s=5.0, waiting_timeout_s=10.0, heartbeat_interval_s=0.2,
+                               heartbeat_max_failures=3, hung_peer_quarantine_s=0.5, tick_s=0.01, num_workers=2)
 # One staging page per prefill worker: a 3-page chunk of a gathered slice goes in two pieces, so
 # the arena fills and is written out mid-group.
 PREFILL_STAGING = 1

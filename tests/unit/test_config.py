@@ -85,13 +85,6 @@ def test_unknown_arch_and_missing_weights(tiny_qwen3: str, tmp_path: os.PathLike
         ModelRunner(cfg.model, cfg.cache, cfg.attention)
 
 
-def test_the_aux_row_default_is_the_transfer_layers() -> None:
-    """The aux row layout must match on both roles; NodeConfig's default is transfer's."""
-    from transfer.aux import AUX_TOP_K
-
-    assert TransferConfig().aux_top_k == AUX_TOP_K
-
-
 def test_env_var_type_error_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDC_HEARTBEAT_MAX_FAILURES", "three")
     with pytest.raises(ValueError, match="PDC_HEARTBEAT_MAX_FAILURES"):

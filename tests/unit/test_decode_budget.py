@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import pytest
 
+from common.config import ConfigError, SchedulerConfig
 from decode_node.budget import DecodeBudget, DecodeBudgetConfig, Holder, NewTokenRatio
 
 
 def budget(total: int = 100, reserved: int = 8) -> DecodeBudget:
-    return DecodeBudget(DecodeBudgetConfig(page_size=4, total_pages=total, reserved_decode_tokens=reserved))
+    return DecodeBudget(DecodeBudgetConfig.from_sched(SchedulerConfig(reserved_decode_tokens=reserved), page_size=4,
+                                                      total_pages=total))
 
 
 def test_headroom_is_the_larger_of_reserve_and_ratio_share_capped_at_what_is_left() -> None:
@@ -102,9 +104,12 @@ def test_new_token_ratio_decays_to_floor_and_rises_after_retraction() -> None:
 
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
-        DecodeBudgetConfig(page_size=4, total_pages=10, ratio_init=0.1, ratio_min=0.5)
+        DecodeBudgetConfig(page_size=4, total_pages=10, reserved_decode_tokens=8, ratio_init=0.1, ratio_min=0.5,
+                           ratio_decay_steps=600)
     with pytest.raises(ValueError):
-        DecodeBudgetConfig(page_size=0, total_pages=10)
+        DecodeBudgetConfig.from_sched(SchedulerConfig(), page_size=0, total_pages=10)
+    with pytest.raises(ConfigError, match="--schedule-conservativeness"):  # the settings refuse it first
+        SchedulerConfig(new_token_ratio_init=0.1, new_token_ratio_min=0.5).validate()
 
 
 def test_immediate_need_is_capped_at_the_pool_too() -> None:

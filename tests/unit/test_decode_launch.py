@@ -74,6 +74,6 @@ def test_startup_failure_after_the_manager_closes_it(tiny_qwen3: str, monkeypatc
     cfg = parse(tiny_qwen3, "--disaggregation-transfer-backend", "fake", "--max-total-tokens", "256")
     bad = IpcEndpoints(to_scheduler="ipc:///nonexistent-dir/pdc-in", from_scheduler="ipc:///nonexistent-dir/pdc-out")
     with pytest.raises(zmq.ZMQError):
-        NodeProcess(cfg, DecodePart(cfg.sched, cfg.transfer), bad)
+        NodeProcess(cfg, DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests), bad)
     assert closed == [True]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("pdc-")]

@@ -181,11 +181,11 @@ class Rig:
         self.prompts: dict[int, list[int]] = {}
         self.hub = FakeHub(self.engine, self.aux, self.prompts)
         bcfg = DecodeBudgetConfig(page_size=PS, total_pages=pages, reserved_decode_tokens=reserved,
-                                  ratio_init=ratio_init, ratio_min=min(0.1, ratio_init))
+                                  ratio_init=ratio_init, ratio_min=min(0.1, ratio_init), ratio_decay_steps=600)
         self.sched = DecodeScheduler(
             self.engine, self.memory, self.hub, self.aux, stop or StopChecker([EOS]), DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
-            DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=16,
+            DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=16, check_aux_room=True,
                               stream_interval=stream_interval))
         self.stats = DecodeStats(self.sched, aux_slots)
         self.outputs: dict[str, list[ReqOutput]] = {}

@@ -112,6 +112,6 @@ def test_decode_step_seconds_count_only_turns_that_decoded() -> None:
 def test_role_parts_travel_to_the_spawned_scheduler() -> None:
     """The launcher builds the role part and the spawned process unpickles it: plain data only."""
     for part in (PrefillPart(SchedulerConfig(), TransferConfig(backend="fake"), "http://127.0.0.1:8998"),
-                 DecodePart(SchedulerConfig(reserved_decode_tokens=7), TransferConfig(backend="fake"))):
+                 DecodePart(SchedulerConfig(reserved_decode_tokens=7), TransferConfig(backend="fake"), 4)):
         back = pickle.loads(pickle.dumps(part))
         assert back == part and back.role in ("prefill", "decode")

@@ -122,7 +122,7 @@ class Node:
         self.engine = StubEngine()
         self.senders = Senders()
         self.now = 0.0
-        cfg = PrefillSchedConfig(PrefillBudget(max_tokens, chunk), policy, timeout_s, aux_top_k=2)  # type: ignore[arg-type]
+        cfg = PrefillSchedConfig(PrefillBudget(max_tokens, chunk), policy, timeout_s, aux_top_k=2, context_len=None)  # type: ignore[arg-type]
         self.sched = PrefillScheduler(self.engine, self.memory, self.senders, StopChecker([EOS]), cfg, clock=lambda: self.now)
         self.stats = PrefillStats(self.sched)
         self.replies: dict[str, ReqOutput] = {}

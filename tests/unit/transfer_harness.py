@@ -24,7 +24,7 @@ from transfer.prefill import PrefillKVManager
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
 ADDR = "127.0.0.1:1"  # bootstrap address key of the in-memory registry
-CFG = KVManagerConfig(
+CFG = KVManagerConfig.defaults(
     bootstrap_timeout_s=1.0, waiting_timeout_s=1.0, heartbeat_interval_s=0.1, heartbeat_max_failures=3,
     num_workers=2, max_batch_entries=2000, hung_peer_quarantine_s=0.5, tick_s=0.01,
 )
