@@ -50,7 +50,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-import zmq
 from bootstrap_server.errors import LayoutMismatch
 from bootstrap_server.schema import DecodeLayout
 
@@ -69,7 +68,7 @@ from transfer.peers import PeerCache
 from transfer.poll import KVPoll
 from transfer.rooms import DecodeRoom, RoomTable
 from transfer.staging import StagingArea
-from transfer.zmq_io import PushSockets, bind_pull, serve_pull
+from transfer.zmq_io import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -99,37 +98,28 @@ class DecodeKVManager:
                          if args.can_stage else None)
         self._held_staging: dict[int, list[tuple[int, int]]] = {}  # fenced room -> its staging extents
         self._fenced = FencedRooms(on_released=self._release_staging)
-        self._stop = threading.Event()
         # Rooms to connect, or (room, bootstrap addr, reason, only if not live here): tell a
         # prefill we could not reach yet that the room was aborted or refused, so its sender
         # fails now rather than at its timeout.
         self._todo: queue.Queue[int | tuple[int, str, str, bool] | None] = queue.Queue()
-        self._ctx = zmq.Context()
-        self._push = PushSockets(self._ctx, control_auth(config.cluster_secret))
-        self._pull, port = bind_pull(self._ctx, args.host)
-        self.status_endpoint = f"tcp://{args.host}:{port}"
+        self._plane = ControlPlane(args.host, control_auth(config.cluster_secret))
+        self._stop, self._push, self.status_endpoint = self._plane.stop, self._plane.push, self._plane.endpoint
         staging_mem = [] if self._staging is None else [(self._staging.buf.data_ptr(), self._staging.buf.numel())]
         self._staging_area = staging_mem[0] if staging_mem else (0, 0)
         try:
             for ptr, nbytes in [*args.all_buffers(), *staging_mem]:
                 engine.register(ptr, nbytes)
         except Exception as exc:
-            self._pull.close(linger=0)
-            self._push.close()
-            self._ctx.term()
+            self._plane.abandon()
             raise TransferError(f"decode transfer manager failed to start: {exc}") from exc
         self._liveness = DecodeLiveness(config, self._rooms, self._peers, self._fenced, self._push, engine.session_id,
                                         self.status_endpoint, self._rank_failed_locked)
-        self._threads = [
+        self._plane.start([
             threading.Thread(target=self._connect_loop, name="pdc-decode-connect", daemon=True),
-            threading.Thread(
-                target=serve_pull, name="pdc-decode-status", daemon=True,
-                args=(self._pull, m.decode_to_decode, self._handle, lambda: None, self._stop, config.tick_s, "decode status", self._push.auth),
-            ),
+            self._plane.server("pdc-decode-status", m.decode_to_decode, self._handle, lambda: None, config.tick_s,
+                               "decode status"),
             threading.Thread(target=self._heartbeat_loop, name="pdc-decode-heartbeat", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        ])
         log.info("decode KV manager up: status %s, data %s", self.status_endpoint, engine.session_id)
 
     # --- scheduler-facing ----------------------------------------------------------------------
@@ -163,10 +153,11 @@ class DecodeKVManager:
             return
         self._stop.set()
         self._todo.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
-        self._push.close()
-        self._ctx.term()
+        stuck = self._plane.join(10.0)
+        self._plane.close()
+        if stuck:  # leak the engine rather than unregister memory the data plane may still touch
+            log.error("transfer threads %s did not stop; the data plane is left open", stuck)
+            return
         self.engine.close()
 
     def num_rooms(self) -> int:

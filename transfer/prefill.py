@@ -29,13 +29,10 @@ Parts, composed here::
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import zmq
 
 from transfer import messages as m
 from transfer import wire
@@ -53,7 +50,7 @@ from transfer.prefill_control import PrefillControl
 from transfer.rooms import PrefillRoom, RoomTable
 from transfer.staging import Arena
 from transfer.worker import GROUP_MAX, Chunk, Target, TransferWorker
-from transfer.zmq_io import PushSockets, bind_pull, serve_pull
+from transfer.zmq_io import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +78,8 @@ class PrefillKVManager:
         self._lock = self._rooms.lock
         self._bootstrap = bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self._bootstrap_addr = bootstrap_addr
-        auth = control_auth(config.cluster_secret)
-        self._stop = threading.Event()
-        self._ctx = zmq.Context()
-        self._push = PushSockets(self._ctx, auth)
-        self._pull, port = bind_pull(self._ctx, args.host)
-        self.endpoint = f"tcp://{args.host}:{port}"
+        self._plane = ControlPlane(args.host, control_auth(config.cluster_secret))
+        self._stop, self._push, self.endpoint = self._plane.stop, self._plane.push, self._plane.endpoint
         self._control = PrefillControl(self._rooms, self._push, args, config, self.endpoint, self.instance_id)
         # GROUP_MAX staging aux rows per worker: a worker copies each last chunk's record to its
         # own row of the group being written, then writes it with the chunk's pages.
@@ -95,7 +88,6 @@ class PrefillKVManager:
         # gathered (transfer.staging); none when the rank cannot stage (equal TP only).
         self._arenas = [Arena(args.staging_pages * args.page_unit_nbytes, args.kv_tensors[0].device)
                         for _ in range(config.num_workers)] if args.can_stage else []
-        self._threads: list[threading.Thread] = []
         try:
             staging = self._staging.buffers()
             arenas = [(a.ptr, a.nbytes) for a in self._arenas]
@@ -104,22 +96,14 @@ class PrefillKVManager:
             self._workers = [TransferWorker(i, self, args, engine, self._staging, config.max_batch_entries,
                                             self._arenas[i] if self._arenas else None)
                              for i in range(config.num_workers)]
-            self.rank_info = wire.rank_info(args, port, self.instance_id, engine)
+            self.rank_info = wire.rank_info(args, self._plane.port, self.instance_id, engine)
             bootstrap.register_rank(bootstrap_addr, self.rank_info)
         except Exception as exc:
-            self._pull.close(linger=0)
-            self._push.close()
-            self._ctx.term()
+            self._plane.abandon()
             raise TransferError(f"prefill transfer manager failed to start: {exc}") from exc
-        boot = threading.Thread(
-            target=serve_pull, name="pdc-prefill-bootstrap", daemon=True,
-            args=(self._pull, m.decode_to_prefill, self._control.handle, self._control.tick, self._stop, config.tick_s,
-                  "prefill bootstrap"),
-            kwargs={"auth": auth},
-        )
-        self._threads = [boot, *(w.thread for w in self._workers)]
-        for t in self._threads:
-            t.start()
+        boot = self._plane.server("pdc-prefill-bootstrap", m.decode_to_prefill, self._control.handle, self._control.tick,
+                                  config.tick_s, "prefill bootstrap")
+        self._plane.start([boot, *(w.thread for w in self._workers)])
         log.info("prefill KV manager up: control %s, data %s", self.endpoint, engine.session_id)
 
     # --- scheduler-facing ----------------------------------------------------------------------
@@ -160,12 +144,8 @@ class PrefillKVManager:
         for w in self._workers:
             w.stop()
         # One engine call is bounded by the data plane's write timeout, which the quarantine covers.
-        deadline = time.monotonic() + max(10.0, self.config.hung_peer_quarantine_s + 1.0)
-        for t in self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
-        self._push.close(flush_s=GOODBYE_FLUSH_S)
-        self._ctx.term()
+        stuck = self._plane.join(max(10.0, self.config.hung_peer_quarantine_s + 1.0))
+        self._plane.close(flush_s=GOODBYE_FLUSH_S)
         if stuck:  # leak the engine rather than unregister memory under a running write
             log.error("transfer threads %s did not stop; the data plane is left open", stuck)
             return

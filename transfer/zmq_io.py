@@ -1,4 +1,5 @@
-"""ZMQ plumbing shared by both managers: a cache of PUSH sockets and a PULL serving loop.
+"""ZMQ plumbing shared by both managers: a cache of PUSH sockets, a PULL serving loop, and the
+``ControlPlane`` that holds them with the manager's threads and closes them in order.
 
 ZMQ sockets are not thread-safe: each PUSH socket is guarded by its own lock (several threads
 send), each PULL socket is used only by the thread that serves it. Sends never block: a peer
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -159,3 +161,49 @@ def serve_pull(
                 log.exception("%s: timer pass failed", name)
     finally:
         sock.close(linger=0)
+
+
+class ControlPlane:
+    """One KV manager's control plane, either role: a ZMQ context, the PUSH sockets to its peers,
+    the PULL socket it serves on its rank's host (``endpoint``), the ``stop`` event its
+    background threads watch, and the teardown order both managers need (threads first, then
+    the sockets, then the context)."""
+
+    def __init__(self, host: str, auth: ControlAuth | None) -> None:
+        self.stop = threading.Event()
+        self.ctx = zmq.Context()
+        self.push = PushSockets(self.ctx, auth)
+        self.pull, self.port = bind_pull(self.ctx, host)
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self.threads: list[threading.Thread] = []
+
+    def server(self, name: str, decode: Callable[[bytes], object], handle: Callable[[object], None],
+               on_tick: Callable[[], None], tick_s: float, what: str) -> threading.Thread:
+        """The thread that serves the PULL socket (``serve_pull``, checked with the PUSH side's key)."""
+        return threading.Thread(target=serve_pull, name=name, daemon=True,
+                                args=(self.pull, decode, handle, on_tick, self.stop, tick_s, what, self.push.auth))
+
+    def abandon(self) -> None:
+        """Close what ``__init__`` opened, for a start-up that failed before any thread ran."""
+        self.pull.close(linger=0)
+        self.push.close()
+        self.ctx.term()
+
+    def start(self, threads: list[threading.Thread]) -> None:
+        self.threads = threads
+        for t in threads:
+            t.start()
+
+    def join(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` in all for the threads (``stop`` set first); the names of
+        those still running."""
+        deadline = time.monotonic() + timeout_s
+        for t in self.threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self.threads if t.is_alive()]
+
+    def close(self, flush_s: float = 0.0) -> None:
+        """Close the PUSH sockets (queued messages get ``flush_s`` to leave) and the context; the
+        PULL socket was closed by its serving thread."""
+        self.push.close(flush_s=flush_s)
+        self.ctx.term()
