@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import bisect
 import math
-import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import socket
 import time
 import zlib
@@ -40,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.tools.pipe_peer import PeerProcess, answer
 from transfer.descriptors import merge_runs
 
 DTYPE_BY_BYTES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
@@ -285,91 +284,26 @@ def serve(conn: multiprocessing.connection.Connection) -> None:
     torch.set_num_threads(1)  # two processes share the machine's cores with mooncake's threads
     d = _Decode()
     conn.send(("ok", os.getpid()))
+
+    def zero() -> None:
+        assert d.flat is not None
+        d.flat.zero_()
+
+    def page_digest(pages: list[int]) -> list[int]:
+        assert d.flat is not None and d.spec is not None
+        return digest(d.flat, d.spec.layout, d.spec.page_size, pages)
+
     try:
-        while True:
-            try:
-                cmd = conn.recv()
-            except EOFError:  # the parent is gone
-                return
-            op = cmd[0]
-            try:
-                if op == "close":
-                    conn.send(("ok", None))
-                    return
-                if op == "setup":
-                    res: Any = d.setup(cmd[1])
-                elif op == "room":
-                    res = d.room(*cmd[1:])
-                elif op == "sock_prepare":
-                    res = d.sock_prepare(cmd[1], cmd[2])
-                elif op == "sock_recv":
-                    res = d.sock_recv()
-                elif op == "zero":
-                    assert d.flat is not None
-                    d.flat.zero_()
-                    res = None
-                elif op == "digest":
-                    assert d.flat is not None and d.spec is not None
-                    res = digest(d.flat, d.spec.layout, d.spec.page_size, cmd[1])
-                elif op == "teardown":
-                    d.teardown()
-                    res = None
-                else:
-                    raise ValueError(f"unknown command {op!r}")
-                conn.send(("ok", res))
-            except Exception as exc:  # reported to the parent, which stops the bench
-                conn.send(("err", f"{op}: {type(exc).__name__}: {exc}"))
+        answer(conn, {"setup": d.setup, "room": d.room, "sock_prepare": d.sock_prepare, "sock_recv": d.sock_recv,
+                      "zero": zero, "digest": page_digest, "teardown": d.teardown})
     finally:
         d.teardown()
         conn.close()
 
 
-class Child:
-    """The parent's handle on this module's ``serve`` in a child process.
-
-    Every call is bounded in time; ``stop`` asks the child to close, then kills it by PID.
-    """
+class Child(PeerProcess):
+    """The parent's handle on this module's ``serve`` in a child process (bounded calls; ``stop``
+    asks it to close, then kills it by PID)."""
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child_conn,), daemon=True, name="pdc-bench-decode")
-        self.proc.start()
-        child_conn.close()
-        try:
-            self.reply(timeout_s=120)
-        except BaseException:
-            self.stop()
-            raise
-
-    def send(self, *cmd: Any) -> None:
-        self.conn.send(cmd)
-
-    def reply(self, timeout_s: float) -> Any:
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"decode child did not answer within {timeout_s}s")
-        try:
-            kind, value = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(f"decode child exited (exit code {self.proc.exitcode})") from None
-        if kind != "ok":
-            raise RuntimeError(f"decode child: {value}")
-        return value
-
-    def call(self, *cmd: Any, timeout_s: float = 120) -> Any:
-        self.send(*cmd)
-        return self.reply(timeout_s)
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("close",))
-                self.conn.poll(5)
-        except (OSError, EOFError):
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive() and self.proc.pid is not None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.join(10)
-        self.conn.close()
+        super().__init__(serve, name="decode child")

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 import torch  # noqa: E402
 
 from common.kvcache.pool import KVLayout, KVPool  # noqa: E402
+from common.tools.pipe_peer import answer  # noqa: E402
 from transfer import KVArgs, KVManagerConfig, create_data_plane  # noqa: E402
 from transfer.aux import AuxPool, AuxRecord  # noqa: E402
 from transfer.bootstrap import HttpBootstrapClient  # noqa: E402
@@ -90,46 +91,28 @@ def serve(conn: multiprocessing.connection.Connection, spec: PeerSpec) -> None:
             out.append(rows.contiguous().numpy().tobytes())
         return out
 
+    def init(room: int, pages: list[int], aux_slot: int | None) -> None:
+        handles[room].init(pages, aux_slot)
+
+    def send(room: int, pages: list[int], last: bool, rec: dict | None) -> None:
+        handles[room].send(pages, last, AuxRecord(**rec) if rec else None)
+
+    def sender(room: int) -> None:
+        handles[room] = mgr.create_sender(room)
+
+    def receiver(room: int, addr: str) -> None:
+        handles[room] = mgr.create_receiver(room, addr)
+
+    def stats() -> dict[str, Any]:
+        sticky = all(int(handles[r].poll()) == st for r, st in terminal.items())
+        written = getattr(mgr, "descriptors_written", None)  # the prefill's workers
+        return {"descriptors": written() if written else 0, "rooms": mgr.num_rooms(),
+                "terminal": dict(terminal), "sticky": sticky}
+
     try:
-        while True:
-            cmd = conn.recv()
-            op = cmd[0]
-            try:
-                if op == "close":
-                    conn.send(("ok", None))
-                    return
-                if op == "sender":
-                    handles[cmd[1]] = mgr.create_sender(cmd[1])
-                    res: Any = None
-                elif op == "receiver":
-                    handles[cmd[1]] = mgr.create_receiver(cmd[1], cmd[2])
-                    res = None
-                elif op == "send":
-                    _, room, pages, last, rec = cmd
-                    handles[room].send(pages, last, AuxRecord(**rec) if rec else None)
-                    res = None
-                elif op == "init":
-                    handles[cmd[1]].init(cmd[2], cmd[3])
-                    res = None
-                elif op == "poll":
-                    res = poll(cmd[1])
-                elif op == "abort":
-                    handles[cmd[1]].abort()
-                    res = None
-                elif op == "aux":
-                    res = aux.read(cmd[1]).__dict__
-                elif op == "pages":
-                    res = page_bytes(cmd[1])
-                elif op == "stats":
-                    sticky = all(int(handles[r].poll()) == st for r, st in terminal.items())
-                    written = getattr(mgr, "descriptors_written", None)  # the prefill's workers
-                    res = {"descriptors": written() if written else 0, "rooms": mgr.num_rooms(),
-                           "terminal": dict(terminal), "sticky": sticky}
-                else:
-                    raise ValueError(f"unknown command {op!r}")
-                conn.send(("ok", res))
-            except Exception as exc:  # reported to the parent, which fails the test
-                conn.send(("err", f"{type(exc).__name__}: {exc}"))
+        answer(conn, {"sender": sender, "receiver": receiver, "send": send, "init": init, "poll": poll,
+                      "abort": lambda room: handles[room].abort(), "aux": lambda slot: aux.read(slot).__dict__,
+                      "pages": page_bytes, "stats": stats})
     finally:
         mgr.close()
         if server is not None:

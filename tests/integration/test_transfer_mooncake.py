@@ -7,8 +7,6 @@ prefill's pool; failures are produced by SIGKILLing a child.
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -19,6 +17,8 @@ import zmq
 
 import _transfer_peer
 from _transfer_peer import LAYOUT, PeerSpec
+
+from common.tools.pipe_peer import PeerProcess
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.integration
@@ -54,32 +54,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Child:
-    """A transfer peer process; every call is bounded and the process is killed by PID at the end."""
+class Child(PeerProcess):
+    """One peer (``_transfer_peer.serve``) in a forkserver child; errors fail the test."""
 
     def __init__(self, spec: PeerSpec) -> None:
         self.spec = spec
-        self.conn, child_conn = _mp.Pipe()
-        self.proc = _mp.Process(target=_transfer_peer.serve, args=(child_conn, spec), daemon=True)
-        self.proc.start()
-        child_conn.close()
-        try:
-            self.info: dict[str, str] = self._reply(timeout=90)
-        except BaseException:
-            self.stop()
-            raise
+        super().__init__(_transfer_peer.serve, (spec,), name=f"{spec.role} peer", start_timeout_s=90,
+                         error=AssertionError, context=_mp)
 
-    def _reply(self, timeout: float) -> Any:
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"{self.spec.role} peer did not answer within {timeout}s")
-        kind, value = self.conn.recv()
-        if kind != "ok":
-            raise AssertionError(f"{self.spec.role} peer: {value}")
-        return value
-
-    def call(self, *cmd: Any, timeout: float = 15.0) -> Any:
-        self.conn.send(cmd)
-        return self._reply(timeout)
+    def call(self, *cmd: Any, timeout: float = 15.0) -> Any:  # type: ignore[override]
+        return super().call(*cmd, timeout_s=timeout)
 
     def poll(self, room: int) -> tuple[int, str | None]:
         return tuple(self.call("poll", room))  # type: ignore[return-value]
@@ -100,24 +84,6 @@ class Child:
             if time.monotonic() - t0 > timeout:
                 raise AssertionError(f"room {room} stuck in {names[st]} after {timeout}s")
             time.sleep(0.01)
-
-    def kill(self) -> None:
-        if self.proc.pid is not None and self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("close",))
-                self.conn.poll(15)
-        except (OSError, EOFError):
-            pass
-        finally:
-            self.proc.join(15)
-            self.kill()
-            self.proc.close()
-            self.conn.close()
 
 
 def start(role: str, port: int, backend: str = "mooncake", seed: int = 0) -> Child:
