@@ -2,8 +2,9 @@
 
 What differs from the prefill: its KV manager receives (``DecodeKVManager``); it has request rows
 beyond ``max_running_requests`` (``prealloc_rows``) so rooms can pre-allocate and transfer while
-the running batch is full, one aux row per request row, no prefix cache (received KV is never
-cached: docs/ARCHITECTURE.md, "Decode node"), and its scheduler is ``DecodeScheduler`` with its
+the running batch is full, one aux row per request row, a prefix cache only when asked for
+(``--disaggregation-decode-enable-radix-cache``: finished requests' pages serve the next turn of
+a conversation; docs/ARCHITECTURE.md, "Decode node"), and its scheduler is ``DecodeScheduler`` with its
 memory budget.
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ class DecodePart:
         self._max_running = cache.max_running_requests
         prealloc = self.sched.prealloc_rows if self.sched.prealloc_rows is not None else self._max_running
         self._rows = self._max_running + prealloc
-        return replace(cache, max_running_requests=self._rows, enable_prefix_cache=False)
+        # The prefix cache only with --disaggregation-decode-enable-radix-cache (decode_node.__main__).
+        return replace(cache, max_running_requests=self._rows)
 
     def build_transfer(self, runner: ModelRunner, host: str) -> DecodeKVManager:
         from transfer.aux import AuxPool

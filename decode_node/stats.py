@@ -75,7 +75,11 @@ class DecodeStats:
             "token_usage": (alloc.num_total - alloc.num_free) / max(alloc.num_total, 1),
             "gen_throughput": self.throughput.rate(),
             "new_token_ratio": s.ratio.value,
-            **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()},
+            **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()
+               if k not in ("transferred_tokens", "reused_tokens")},
+            # Role-named counters (common.server.metrics writes a "pdc_" key as it is).
+            "pdc_decode_transferred_tokens_total": float(s.counters.transferred_tokens),
+            "pdc_decode_reused_tokens_total": float(s.counters.reused_tokens),
             "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
             **(s.grammars.metrics() if s.grammars is not None else {}),
         }
@@ -87,8 +91,14 @@ class DecodeStats:
         return {"fenced_reqs": len(held), "fenced_pages": sum(len(r.kv.pages) for r in held if r.kv is not None)}
 
     def flush_cache(self) -> tuple[bool, str]:
-        """The decode node caches no prefixes; flushing only checks it is idle (as SGLang does)."""
+        """Drop the decode's prefix cache (empty unless --disaggregation-decode-enable-radix-cache);
+        refused while requests are in flight (as SGLang does)."""
         if not self.sched.idle():
             return False, "requests are in flight; retry when the node is idle"
-        self.sched.memory.cache.reset()
-        return True, "decode node holds no prefix cache; nothing to flush"
+        cache = self.sched.memory.cache
+        if not cache.enabled:
+            return True, "decode node holds no prefix cache; nothing to flush"
+        pages = cache.total_pages()
+        if not cache.reset():  # idle: no request holds a lock
+            return False, "the prefix cache is locked; retry when the node is idle"
+        return True, f"flushed the decode's prefix cache ({pages} pages)"
