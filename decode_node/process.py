@@ -76,7 +76,9 @@ class DecodePart:
             DecodeSchedConfig(max_running_requests=self._max_running, recompute_tokens_per_step=chunk,
                               check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
             agree_all=agreement.agree_all, grammars=grammars)
-        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms)
+        lay = runner.kv_pool.layout
+        page_nbytes = 2 * lay.num_layers * lay.bytes_per_page_per_layer  # K and V of every layer
+        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms, page_nbytes=page_nbytes)
 
     def ready_info(self) -> dict:
         return {"running_rows": self._max_running, "prealloc_rows": self._rows - self._max_running}

@@ -241,6 +241,7 @@ class DecodeCounters:
     # pdc_decode_transferred_tokens_total and pdc_decode_reused_tokens_total.
     transferred_tokens: int = 0
     reused_tokens: int = 0
+    transferred_pages: int = 0  # pages the prefill wrote (a partly filled last one counts whole)
     retractions: int = 0
     finished: int = 0
     failed: int = 0

@@ -219,6 +219,7 @@ class DecodeScheduler:
                 r.kv.kv_len = len(r.prompt)
                 self.counters.transferred_tokens += len(r.prompt) - reused
                 self.counters.reused_tokens += reused
+                self.counters.transferred_pages += self.memory.pages_for(len(r.prompt)) - reused // self.memory.page_size
                 r.cached_tokens = rec.cached_tokens
                 self.queues.transfer.remove(r)
                 r.clock.lap("kv_transfer")
