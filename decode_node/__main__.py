@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=SchedulerConfig.stream_interval,
                    help="a streamed request's tokens go out every N decode steps (first token and end at once); "
                         "N > 1 trades smoothness for less work per token in this node, the router and the client")
+    p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
+                   help="keep finished requests' KV (prompt + output, whole pages) in a prefix cache on this node: "
+                        "a later request that starts with it (the next turn of a conversation) has only the rest "
+                        "of its prompt's KV sent (decode_prefix_len); off by default, as in SGLang; ignored for "
+                        "models with recurrent state")
     return p
 
 
@@ -59,7 +64,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         role="decode",
         model=model_config(a),
-        cache=cache_config(a, enable_prefix_cache=False),
+        cache=cache_config(a, enable_prefix_cache=a.disaggregation_decode_enable_radix_cache),
         sched=_sched_config(a.schedule_conservativeness, a.num_reserved_decode_tokens, a.stream_interval),
         attention=attention_config(a),
         transfer=transfer_config(a),

@@ -2,8 +2,9 @@
 
 What differs from the prefill: its KV manager receives (``DecodeKVManager``); it has request rows
 beyond ``max_running_requests`` (``prealloc_rows``) so rooms can pre-allocate and transfer while
-the running batch is full, one aux row per request row, no prefix cache (received KV is never
-cached: docs/ARCHITECTURE.md, "Decode node"), and its scheduler is ``DecodeScheduler`` with its
+the running batch is full, one aux row per request row, a prefix cache only when asked for
+(``--disaggregation-decode-enable-radix-cache``: finished requests' pages serve the next turn of
+a conversation; docs/ARCHITECTURE.md, "Decode node"), and its scheduler is ``DecodeScheduler`` with its
 memory budget.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ class DecodePart:
 
     def cache_config(self, cache: CacheConfig) -> CacheConfig:
         assert cache.max_running_requests == self.max_running_requests, "the part was built from another config"
-        return replace(cache, max_running_requests=self.rows, enable_prefix_cache=False)
+        # The prefix cache only with --disaggregation-decode-enable-radix-cache (decode_node.__main__).
+        return replace(cache, max_running_requests=self.rows)
 
     def build_transfer(self, runner: ModelRunner, host: str) -> DecodeKVManager:
         from transfer.aux import AuxPool
@@ -82,7 +84,9 @@ class DecodePart:
             DecodeSchedConfig(max_running_requests=self.max_running_requests, recompute_tokens_per_step=chunk,
                               check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
             agree_all=agreement.agree_all, grammars=grammars)
-        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms)
+        lay = runner.kv_pool.layout
+        page_nbytes = 2 * lay.num_layers * lay.bytes_per_page_per_layer  # K and V of every layer
+        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms, page_nbytes=page_nbytes)
 
     def ready_info(self) -> dict:
         return {"running_rows": self.max_running_requests, "prealloc_rows": self.rows - self.max_running_requests}

@@ -170,8 +170,10 @@ class DecodeReq:
         return self.prompt + self.out[:-1]
 
     def reserve_room(self, memory: KVMemory, aux: AuxSlots) -> bool:
-        """Row (with a state slot, for hybrid models) + prompt pages + aux slot, all or nothing."""
-        kv = memory.admit((), use_cache=False)
+        """Row (with a state slot, for hybrid models) + prompt pages + aux slot, all or nothing.
+        With the decode's prefix cache on, the row starts with the longest cached prefix of the
+        prompt (whole pages, at least one token left to receive), locked until ``release``."""
+        kv = memory.admit(self.prompt, use_cache=memory.cache.enabled)
         if kv is None:
             return False
         slot = aux.alloc() if memory.reserve(kv, len(self.prompt)) else None
@@ -181,11 +183,16 @@ class DecodeReq:
         self.kv, self.aux_slot = kv, slot
         return True
 
-    def release(self, memory: KVMemory, aux: AuxSlots) -> None:
-        """Give back everything this request holds (each resource once; safe to call again)."""
+    def release(self, memory: KVMemory, aux: AuxSlots, cache: bool = False) -> None:
+        """Give back everything this request holds (each resource once; safe to call again).
+        ``cache``: its KV is whole (a finished request), so its full pages (prompt + output) go to
+        the prefix cache, a no-op when that is off; otherwise (failed, aborted, retracted) its own
+        pages are freed and its cached prefix only unlocked."""
         if self.kv is not None:
-            memory.release(self.kv, None)  # decode keeps no prefix cache: received KV is freed
-            self.kv = None
+            kv, self.kv = self.kv, None
+            # Position i holds the KV of (prompt + out)[i]; the newest token's is never written.
+            ids = self.prompt + self.out
+            memory.release(kv, ids[: kv.kv_len] if cache and len(ids) >= kv.kv_len else None)
         if self.aux_slot is not None:
             aux.free(self.aux_slot)
             self.aux_slot = None
@@ -232,6 +239,12 @@ class DecodeCounters:
     """Running totals since start; ``/metrics`` exports each as ``pdc_scheduler_<name>_total``."""
 
     generated_tokens: int = 0
+    # Prompt tokens of rooms that arrived: those whose KV came over the wire, and those this
+    # node's own prefix cache served (``decode_prefix_len``); /metrics names them
+    # pdc_decode_transferred_tokens_total and pdc_decode_reused_tokens_total.
+    transferred_tokens: int = 0
+    reused_tokens: int = 0
+    transferred_pages: int = 0  # pages the prefill wrote (a partly filled last one counts whole)
     retractions: int = 0
     finished: int = 0
     failed: int = 0

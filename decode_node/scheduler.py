@@ -194,7 +194,10 @@ class DecodeScheduler:
                 room_ok = not self.cfg.check_aux_room or rec.room == r.room
                 # From a prefill of another TP size our pages hold other head ranges than the
                 # digest covers: the arrival check cannot apply (docs/TRANSFER.md, "Unequal TP").
-                intact = room_ok and (r.receiver.resharded or self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest))
+                # Only the pages past our cached prefix arrived; the prefix was checked at reuse.
+                reused = r.kv.num_cached
+                intact = room_ok and (r.receiver.resharded or
+                                      self.memory.arrived_intact(r.kv, len(r.prompt), rec.kv_digest, reused))
                 if not self.agree_all(intact):  # every TP rank checks its own heads: one bad share fails all
                     if not room_ok:
                         self._fail(r, 500, f"{r.label()}: the aux row holds room {rec.room}, not ours")
@@ -207,9 +210,16 @@ class DecodeScheduler:
                     self._fail(r, 502, f"{r.label()}: KV integrity check failed: {why} (see /metrics "
                                        "pdc_scheduler_kv_integrity_failures_total)")
                     continue
+                if r.receiver.resharded and self.memory.cache.enabled:
+                    # No digest covers our heads' share: trusted as it landed, and recorded so a
+                    # later reuse still notices a write after this point.
+                    self.memory.written(r.kv, reused, len(r.prompt), final=False)
                 self.aux.free(r.aux_slot)
                 r.aux_slot, r.receiver = None, None
                 r.kv.kv_len = len(r.prompt)
+                self.counters.transferred_tokens += len(r.prompt) - reused
+                self.counters.reused_tokens += reused
+                self.counters.transferred_pages += self.memory.pages_for(len(r.prompt)) - reused // self.memory.page_size
                 r.cached_tokens = rec.cached_tokens
                 self.queues.transfer.remove(r)
                 r.clock.lap("kv_transfer")
@@ -252,6 +262,7 @@ class DecodeScheduler:
             q.retracted.popleft()
             r.kv = kv
             first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step)
+            self.memory.written(kv, 0, len(ids), final=False)  # digests, for the prefix cache (if on)
             budget_left -= len(ids)
             if first is not None:
                 self._append(r, first.token_id, first.logprob, first.top_logprobs)
@@ -291,7 +302,11 @@ class DecodeScheduler:
             q.transfer.append(r)
             assert r.kv is not None and r.receiver is not None
             state = [r.kv.state_slot] if r.kv.state_slot is not None else []
-            r.receiver.init(r.kv.pages, r.aux_slot, state, prompt_digest(r.prompt))
+            # The prefill writes only the pages past our cached prefix (decode_prefix_len).
+            reused = r.kv.num_cached
+            extra = {"decode_prefix_len": reused} if reused else {}  # receivers of old keep their signature
+            r.receiver.init(r.kv.pages[reused // self.memory.page_size :], r.aux_slot, state, prompt_digest(r.prompt),
+                            **extra)
             r.clock.lap("prealloc")
 
     def _merge_waiting(self) -> None:
@@ -334,9 +349,13 @@ class DecodeScheduler:
         self.counters.decode_steps += 1
         self.counters.decode_batch_reqs += len(items)
         self.ratio.on_decode_step()
+        digest_pages = self.memory.cache.enabled and self.memory.digests is not None
         for r, tok in zip(batch, tokens):
             assert r.kv is not None
             r.kv.kv_len += 1
+            if digest_pages and r.kv.kv_len % self.memory.page_size == 0:
+                # A page just filled: its digest, checked before the prefix cache serves it again.
+                self.memory.written(r.kv, r.kv.kv_len - 1, r.kv.kv_len, final=False)
             self._append(r, tok.token_id, tok.logprob, tok.top_logprobs)
             if r.finish is not None:
                 running.remove(r)
@@ -396,7 +415,7 @@ class DecodeScheduler:
     # ---- endings --------------------------------------------------------------------------------
 
     def _finish(self, r: DecodeReq) -> None:
-        r.release(self.memory, self.aux)
+        r.release(self.memory, self.aux, cache=True)  # its KV is whole: prompt + output may serve the next turn
         self.queues.reqs.pop(r.rid, None)
         r.stage = Stage.DONE
         self.counters.finished += 1

@@ -13,8 +13,12 @@ from decode_node.scheduler import DecodeScheduler
 
 
 class DecodeStats:
-    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None) -> None:
+    def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None,
+                 page_nbytes: int = 0) -> None:
+        """``page_nbytes``: bytes of one KV page of this rank (every layer, K and V), what one
+        transferred page moved over the wire to it."""
         self.sched = sched
+        self.page_nbytes = page_nbytes
         self.aux_total_slots = aux_total_slots
         self._transfer_rooms = transfer_rooms
         self.throughput = RateMeter()
@@ -37,7 +41,7 @@ class DecodeStats:
     def load(self) -> dict[str, int]:
         s = self.sched
         mem = s.memory
-        used_pages = mem.allocator.num_total - mem.allocator.num_free
+        used_pages = mem.allocator.num_total - mem.available_pages()  # unlocked cached pages are free capacity
         return {"num_reqs": len(s.queues.running) + self.queued(), "num_waiting_reqs": self.queued(),
                 "num_tokens": used_pages * mem.page_size}
 
@@ -72,10 +76,15 @@ class DecodeStats:
             "num_prealloc_reqs": len(q.prealloc),
             "num_retracted_reqs": len(q.retracted),
             "fenced_reqs": self._fenced()["fenced_reqs"],
-            "token_usage": (alloc.num_total - alloc.num_free) / max(alloc.num_total, 1),
+            "token_usage": (alloc.num_total - s.memory.available_pages()) / max(alloc.num_total, 1),
             "gen_throughput": self.throughput.rate(),
             "new_token_ratio": s.ratio.value,
-            **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()},
+            **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()
+               if k not in ("transferred_tokens", "reused_tokens", "transferred_pages")},
+            # Role-named counters (common.server.metrics writes a "pdc_" key as it is).
+            "pdc_decode_transferred_tokens_total": float(s.counters.transferred_tokens),
+            "pdc_decode_reused_tokens_total": float(s.counters.reused_tokens),
+            "pdc_decode_transferred_bytes_total": float(s.counters.transferred_pages * self.page_nbytes),
             "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
             **(s.grammars.metrics() if s.grammars is not None else {}),
         }
@@ -87,8 +96,14 @@ class DecodeStats:
         return {"fenced_reqs": len(held), "fenced_pages": sum(len(r.kv.pages) for r in held if r.kv is not None)}
 
     def flush_cache(self) -> tuple[bool, str]:
-        """The decode node caches no prefixes; flushing only checks it is idle (as SGLang does)."""
+        """Drop the decode's prefix cache (empty unless --disaggregation-decode-enable-radix-cache);
+        refused while requests are in flight (as SGLang does)."""
         if not self.sched.idle():
             return False, "requests are in flight; retry when the node is idle"
-        self.sched.memory.cache.reset()
-        return True, "decode node holds no prefix cache; nothing to flush"
+        cache = self.sched.memory.cache
+        if not cache.enabled:
+            return True, "decode node holds no prefix cache; nothing to flush"
+        pages = cache.total_pages()
+        if not cache.reset():  # idle: no request holds a lock
+            return False, "the prefix cache is locked; retry when the node is idle"
+        return True, f"flushed the decode's prefix cache ({pages} pages)"

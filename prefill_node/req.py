@@ -222,17 +222,20 @@ def peek_prefix_len(cache: RadixCache) -> Callable[[PrefillReq], int]:
     return prefix_len
 
 
-def pages_to_send(req: PrefillReq, last: bool, page_size: int) -> tuple[list[int], int]:
+def pages_to_send(req: PrefillReq, last: bool, page_size: int, skip_pages: int = 0) -> tuple[list[int], int]:
     """The pages a computed chunk hands to the sender, and how many are sent once they are. An
     intermediate chunk sends full pages only; a page it filled partly goes with the next chunk::
 
         page_size 4, chunk ends at token 10:  |0 1 2 3|4 5 6 7|8 9 . .|  -> sends pages 0, 1
         last chunk (prompt of 13 tokens):      ... |8 9 10 11|12 . . .|  -> sends pages 2, 3
+
+    The first ``skip_pages`` pages are never sent: the decode holds their KV already
+    (``decode_prefix_len``). They are still computed here, from this node's own cache or anew.
     """
     kv = req.kv
     assert kv is not None
     upto = len(kv.pages) if last else kv.kv_len // page_size
-    return kv.pages[req.sent_pages : upto], upto
+    return kv.pages[max(req.sent_pages, skip_pages) : upto], upto
 
 
 def aux_record(req: PrefillReq, tok: SampledToken, top_k: int, kv_digest: bytes = b"") -> AuxRecord:

@@ -317,12 +317,20 @@ class PrefillScheduler:
         chunk the aux record and the recurrent state. False: the send failed and ended the request."""
         kv = req.kv
         assert kv is not None and req.sender is not None
-        pages, upto = pages_to_send(req, last, self.memory.page_size)
+        # The decode's own cache holds the prompt's first pages: they are not sent, and the KV
+        # digest covers only what is (the decode checks what arrived; docs/TRANSFER.md).
+        prefix = req.sender.decode_prefix_len
+        if prefix >= req.prompt_len:  # the decode must leave at least one token to send
+            self._end_early(req, f"the decode claims {prefix} of the prompt's {req.prompt_len} tokens", 500)
+            return False
+        ps = self.memory.page_size
+        pages, upto = pages_to_send(req, last, ps, prefix // ps)
         if not pages and not last:
+            req.sent_pages = max(req.sent_pages, upto)
             return True
         aux = None
         if last and req.first is not None:
-            aux = aux_record(req, req.first, self.cfg.aux_top_k, self.memory.room_digest(kv, req.prompt_len))
+            aux = aux_record(req, req.first, self.cfg.aux_top_k, self.memory.room_digest(kv, req.prompt_len, prefix))
         try:
             # A hybrid model's recurrent state is final only after the last chunk; it goes with it.
             state = [kv.state_slot] if last and kv.state_slot is not None else []

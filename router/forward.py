@@ -103,7 +103,9 @@ class Forwarder:
                     break
                 self._metrics.retries.labels(endpoint).inc()
             try:
-                p, d = self._pick("prefill", route, avoid), self._pick("decode", None, avoid)
+                # The decode gets the prompt key too: with --decode-policy cache-aware a conversation's
+                # next turn goes where its last one did, whose decode prefix cache may hold it.
+                p, d = self._pick("prefill", route, avoid), self._pick("decode", route, avoid)
             except RouterError as exc:
                 if failure is None:
                     return self._finish(endpoint, t0, error_response(exc.status, exc.message), "no_worker")
@@ -113,7 +115,7 @@ class Forwarder:
             # (in _prefill): after that the request costs it nothing.
             with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
                 self._policies["prefill"].on_routed(p, route)
-                self._policies["decode"].on_routed(d, None)
+                self._policies["decode"].on_routed(d, route)
                 result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline, key)
             if not isinstance(result, Failure):
                 return result

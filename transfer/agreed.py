@@ -59,6 +59,10 @@ class AgreedHandle:
     def resharded(self) -> bool:  # fixed by the two nodes' TP sizes: the same on every rank
         return bool(getattr(self.inner, "resharded", False))
 
+    @property
+    def decode_prefix_len(self) -> int:  # from the decode's TransferInfos, which every rank got alike
+        return int(getattr(self.inner, "decode_prefix_len", 0))
+
     def send(self, *args: Any, **kwargs: Any) -> None:
         self.inner.send(*args, **kwargs)
 

@@ -56,6 +56,12 @@ class KVSender(ABC):
     def failure_reason(self) -> str | None:
         """Why the room failed (None unless poll() is Failed)."""
 
+    @property
+    def decode_prefix_len(self) -> int:
+        """Prompt tokens whose KV the decode already holds (a whole number of pages; known once
+        the room is WaitingForInput): ``send`` then hands only the pages past them."""
+        return 0
+
 
 class KVReceiver(ABC):
     """Decode side of one room.
@@ -76,9 +82,11 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
-             prompt_digest: str = "") -> None:
+             prompt_digest: str = "", decode_prefix_len: int = 0) -> None:
         """Tell the prefill where to write (decode page ids in token order) and for which prompt
-        (``messages.prompt_digest``: the prefill refuses a room it computes for another). Never blocks."""
+        (``messages.prompt_digest``: the prefill refuses a room it computes for another). With
+        ``decode_prefix_len`` (a whole number of pages) this node holds the prompt's first
+        tokens already: ``page_indices`` are the pages past them, the only ones written. Never blocks."""
 
     @abstractmethod
     def poll(self) -> KVPoll: ...

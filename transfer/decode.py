@@ -174,7 +174,7 @@ class DecodeKVManager:
 
     # --- receiver-facing (transfer.handles.ReceiverActions) ------------------------------------
     def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int],
-                  prompt_digest: str = "") -> None:
+                  prompt_digest: str = "", decode_prefix_len: int = 0) -> None:
         with self._lock:
             r = self._rooms.get(room)
             if r is None or r.status.terminal or r.pending_fail is not None:
@@ -195,6 +195,7 @@ class DecodeKVManager:
                     status_endpoint=self.status_endpoint, dst_pages=dst_pages,
                     aux_slot=None if aux_slot is None else int(aux_slot), state_slots=index_list(state),
                     prompt_digest=prompt_digest, required_dst_info_num=r.required[p], staging=list(r.staging),
+                    decode_prefix_len=int(decode_prefix_len),
                 ), p) for p, peer in r.links.items()]
                 r.status, r.info_sent_at = KVPoll.Transferring, time.monotonic()
         if refused is not None:  # the prefill ranks hear it now, not at their bootstrap timeout

@@ -30,7 +30,7 @@ class SenderActions(RoomActions, Protocol):
 
 class ReceiverActions(RoomActions, Protocol):
     def init_room(self, room: int, pages: Sequence[int], aux_slot: int | None, state: Sequence[int],
-                  prompt_digest: str = "") -> None:
+                  prompt_digest: str = "", decode_prefix_len: int = 0) -> None:
         """``KVReceiver.init``: send the room's TransferInfo."""
 
     def is_fenced(self, room: int) -> bool:
@@ -81,6 +81,15 @@ class PrefillKVSender(_RoomHandle, KVSender):
 
     def __init__(self, rooms: RoomTable[Any], actions: SenderActions, room: int) -> None:
         super().__init__(rooms, actions, room)
+        self._prefix_len = 0
+
+    def _on_final(self, record: Any) -> None:
+        self._prefix_len = record.decode_prefix_len
+
+    @property
+    def decode_prefix_len(self) -> int:
+        r = self._rooms.get(self.room)
+        return self._prefix_len if r is None else r.decode_prefix_len
 
     def send(self, page_indices: Sequence[int], last_chunk: bool, aux: AuxRecord | None = None,
              state_indices: Sequence[int] = ()) -> None:
@@ -99,8 +108,8 @@ class DecodeKVReceiver(_RoomHandle, KVReceiver):
         self._resharded = record.resharded
 
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
-             prompt_digest: str = "") -> None:
-        self._actions.init_room(self.room, page_indices, aux_slot, state_indices, prompt_digest)
+             prompt_digest: str = "", decode_prefix_len: int = 0) -> None:
+        self._actions.init_room(self.room, page_indices, aux_slot, state_indices, prompt_digest, decode_prefix_len)
 
     def fenced(self) -> bool:
         return self._actions.is_fenced(self.room)

@@ -64,6 +64,10 @@ class TransferInfo(msgspec.Struct, tag="transfer_info", kw_only=True):
     # The room's pages in the decode's staging area, as (first staging page, count) extents in
     # token order; empty when its head slices land straight in dst_pages (transfer.staging).
     staging: list[tuple[int, int]] = []
+    # Tokens of the prompt whose KV the decode already holds (its own prefix cache), a whole
+    # number of pages: ``dst_pages`` (and ``staging``) start at that token, and the prefill
+    # writes only the pages past it. 0 (an older peer, or no reuse): the whole prompt.
+    decode_prefix_len: int = 0
 
 
 class AbortRoom(msgspec.Struct, tag="abort", kw_only=True):

@@ -248,11 +248,17 @@ class PrefillControl:
                     "rooms must be unique per request")
         if info.session_id not in r.infos and len(r.infos) >= info.required_dst_info_num:
             return f"room {r.room} is already bound to another decode: rooms must be unique per request"
+        ps = self._args.layout.page_size
+        if info.decode_prefix_len < 0 or info.decode_prefix_len % ps:
+            return f"room {r.room}: decode_prefix_len {info.decode_prefix_len} is not a whole number of {ps}-token pages"
+        if any(i.decode_prefix_len != info.decode_prefix_len for i in r.infos.values() if i.session_id != info.session_id):
+            return f"room {r.room}: its decode ranks disagree on decode_prefix_len"
         return None
 
     # --- room changes a decode hears of (lock held) --------------------------------------------
     def _add_info_locked(self, r: PrefillRoom, info: m.TransferInfo) -> None:
         r.infos[info.session_id] = info
+        r.decode_prefix_len = info.decode_prefix_len  # the same in every info (_binding_refusal_locked)
         if len(r.infos) >= info.required_dst_info_num:
             self._rooms.advance_locked(r, KVPoll.WaitingForInput)
 

@@ -54,6 +54,7 @@ class PrefillRoom:
     reason: str | None = None
     infos: dict[str, m.TransferInfo] = field(default_factory=dict)  # by decode session
     prompt_digest: str = ""  # the prompt this room computes ("" : not bound)
+    decode_prefix_len: int = 0  # prompt tokens the decode holds already (every info agrees)
     inflight: int = 0  # chunks a worker is writing right now
     pages_queued: int = 0
     last_queued: bool = False

@@ -109,14 +109,25 @@ class PageDigests:
             h.update(self._table[page].tobytes())
         return h.digest()[:DIGEST_BYTES]
 
-    def arrived_intact(self, pages: Sequence[int], num_tokens: int, expected: bytes) -> bool:
-        """Whether ``num_tokens`` tokens of KV on ``pages`` are what the sender digested."""
+    def arrived_intact(self, pages: Sequence[int], num_tokens: int, expected: bytes, record: bool = False) -> bool:
+        """Whether ``num_tokens`` tokens of KV on ``pages`` are what the sender digested. With
+        ``record``, an intact arrival's full pages keep the digests just computed (no second pass),
+        for a later ``first_mismatch`` (the decode's prefix cache)."""
         n = -(-num_tokens // self.page_size)
         h = hmac.new(self._key, np.int64(num_tokens).tobytes(), hashlib.sha256)
+        full: list[tuple[int, bytes]] = []
         for i, page in enumerate(pages[:n]):
             valid = num_tokens - i * self.page_size if i == n - 1 else None
-            h.update(self.compute(page, valid if valid != self.page_size else None))
+            valid = None if valid == self.page_size else valid
+            d = self.compute(page, valid)
+            h.update(d)
+            if valid is None:
+                full.append((page, d))
         ok = hmac.compare_digest(h.digest()[:DIGEST_BYTES], expected)
         if not ok:
             self.failures += 1
+        elif record:
+            for page, d in full:
+                self._table[page] = np.frombuffer(d, dtype=np.uint8)
+                self._known[page] = True
         return ok

@@ -143,14 +143,23 @@ class KVMemory:
         if final and end % ps:
             self.digests.record([req.pages[full]], valid_last=end % ps)
 
-    def room_digest(self, req: ReqKV, num_tokens: int) -> bytes:
-        """The digest of the request's first ``num_tokens`` tokens of KV (b"" without digests)."""
-        return b"" if self.digests is None else self.digests.room_digest(req.pages, num_tokens)
+    def room_digest(self, req: ReqKV, num_tokens: int, start: int = 0) -> bytes:
+        """The digest of the request's KV of tokens ``[start, num_tokens)`` (``start`` a whole
+        number of pages: what a decode holding the first ``start`` tokens receives; b"" without
+        digests)."""
+        if self.digests is None:
+            return b""
+        return self.digests.room_digest(req.pages[start // self.page_size :], num_tokens - start)
 
-    def arrived_intact(self, req: ReqKV, num_tokens: int, expected: bytes) -> bool:
-        """Whether the KV that arrived for ``num_tokens`` tokens is what the prefill digested
-        (True without digests here)."""
-        return self.digests is None or self.digests.arrived_intact(req.pages, num_tokens, expected)
+    def arrived_intact(self, req: ReqKV, num_tokens: int, expected: bytes, start: int = 0) -> bool:
+        """Whether the KV that arrived for tokens ``[start, num_tokens)`` (``start`` page
+        aligned: the decode held the rest) is what the prefill digested (True without digests
+        here). When it is, the full pages that arrived keep their digests: a prefix cache
+        checks them again before reusing them (``admit``)."""
+        if self.digests is None:
+            return True
+        pages = req.pages[start // self.page_size :]
+        return self.digests.arrived_intact(pages, num_tokens - start, expected, record=self.cache.enabled)
 
     def slots(self, req: ReqKV, start: int, end: int) -> torch.Tensor:
         """KV slots of positions [start, end). [end-start] int64."""

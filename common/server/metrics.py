@@ -3,7 +3,7 @@
 The API counts what it sees (requests by endpoint and status, tokens in and out, time to first
 token, end-to-end latency, output tokens/s over a sliding window). The scheduler's numbers (queue
 lengths, KV usage, generation throughput) come from its ``"metrics"`` QueryReply and are written
-as gauges ``pdc_scheduler_<name>``; if the scheduler does not answer in time they are left out
+as gauges ``pdc_scheduler_<name>`` (a name that starts with ``pdc_`` as it is); if the scheduler does not answer in time they are left out
 and ``pdc_scheduler_up`` is 0.
 """
 from __future__ import annotations
@@ -121,7 +121,10 @@ def scheduler_gauges(payload: dict | None, labels: dict[str, str]) -> str:
     for key, val in sorted((payload or {}).items()):
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
             continue
-        name = "pdc_scheduler_" + _NAME_OK.sub("_", str(key))
+        key = _NAME_OK.sub("_", str(key))
+        # A scheduler may name a metric in full (e.g. pdc_decode_reused_tokens_total); the rest
+        # are its gauges under pdc_scheduler_.
+        name = key if key.startswith("pdc_") else "pdc_scheduler_" + key
         lines += [f"# HELP {name} scheduler gauge {key}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {float(val)!r}"]
     return "\n".join(lines) + "\n"
 

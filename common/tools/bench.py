@@ -20,7 +20,9 @@ Run::
       -> the workload: Poisson arrivals (--request-rate, inf = all at once), --max-concurrency cap,
          random lengths (--input-len, --output-len, --range-ratio) or --workload mixed
          (--mixed-lengths, default 90 % 128-token and 10 % 2048-token prompts), token-id prompts,
-         ignore_eos; --request-rate-sweep R1,R2,...: the workload once per rate, same target
+         ignore_eos; --request-rate-sweep R1,R2,...: the workload once per rate, same target;
+         or --workload multiturn: --num-conversations x --num-turns in rounds, each turn resending
+         the conversation (common/tools/bench_multiturn.py), reported per turn
       -> wait (bounded) until every node is idle -> /debug/memory + /metrics "after"
       -> report: counts and failure reasons, throughput, TTFT / ITL / TPOT / E2E, goodput,
          leak check (after vs before), scheduler counter deltas, CPU seconds per process;
@@ -93,8 +95,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--range-ratio", type=float, default=0.25,
                    help="lengths are uniform in [len * ratio, len] (1: fixed lengths)")
     w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate in req/s (inf: all at once)")
-    w.add_argument("--workload", default="random", choices=("random", "mixed"),
-                   help="random: lengths from --input-len/--range-ratio; mixed: prompt lengths from --mixed-lengths")
+    w.add_argument("--workload", default="random", choices=("random", "mixed", "multiturn"),
+                   help="random: lengths from --input-len/--range-ratio; mixed: prompt lengths from --mixed-lengths; "
+                        "multiturn: --num-conversations x --num-turns, each turn's prompt the previous prompt + its "
+                        "answer + --turn-len new tokens (--input-len: the first prompt), reported per turn")
+    w.add_argument("--num-conversations", type=int, default=32, help="--workload multiturn: conversations")
+    w.add_argument("--num-turns", type=int, default=6, help="--workload multiturn: turns per conversation")
+    w.add_argument("--turn-len", type=int, default=64, help="--workload multiturn: longest new user text per turn (tokens)")
+    w.add_argument("--think-time", type=float, default=1.0,
+                   help="--workload multiturn: mean pause (s, exponential) between a turn's answer and the next turn")
     w.add_argument("--mixed-lengths", default=DEFAULT_MIX,
                    help="--workload mixed: LENGTH:WEIGHT,... prompt lengths and their weights (default: 90%% "
                         "128-token, 10%% 2048-token prompts)")
@@ -166,6 +175,13 @@ def check_args(a: argparse.Namespace) -> str | None:
         return "--request-rate must be > 0 (inf: all at once)"
     if a.limits and not os.path.isfile(a.limits):
         return f"--limits {a.limits}: no such file (write it with python -m common.tools.bench_limits --json)"
+    if a.workload == "multiturn":
+        if a.num_conversations < 1 or a.num_turns < 1 or a.turn_len < 1 or a.think_time < 0:
+            return "--num-conversations, --num-turns and --turn-len must be >= 1, --think-time >= 0"
+        if a.endpoint != "generate":
+            return "--workload multiturn builds each turn from the answer's token ids: /generate only (drop --endpoint)"
+        if a.request_rate_sweep or a.paired_direct or a.compare:
+            return "--workload multiturn runs rounds of turns: drop --request-rate-sweep / --paired-direct / --compare"
     a.mix = None
     if a.workload == "mixed":
         try:

@@ -80,6 +80,9 @@ class RequestResult:
     # The answer's stage timeline, flattened (stage -> ms): the router's composed one, or a
     # node's own when the bench talks to the nodes directly (docs/OPERATIONS.md §3).
     stages_ms: dict[str, float] = field(default_factory=dict)
+    # The generated token ids (native /generate only), kept when the workload builds the next
+    # request from them (``--workload multiturn``); empty otherwise.
+    output_ids: list[int] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -105,6 +108,7 @@ class StreamTimer:
         self.itl_s: list[float] = []
         self.finish_reason: str | None = None
         self.stages_ms: dict[str, float] = {}
+        self.output_ids: list[int] = []  # the cumulative ids of the latest native event
         self._last: float | None = None
 
     def on_event(self, now: float, event: dict) -> None:
@@ -124,6 +128,7 @@ class StreamTimer:
                 self._timeline(meta.get("timeline"))
             if not isinstance(ids, list):
                 return
+            self.output_ids = ids
             total = len(ids)
         new = total - self.tokens
         if new <= 0:
@@ -186,7 +191,8 @@ def request_body(req: BenchRequest, target: Target) -> dict:
 
 
 async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest, run_t0: float,
-               timeout_s: float) -> RequestResult:
+               timeout_s: float, keep_output: bool = False) -> RequestResult:
+    """``keep_output``: the result carries the generated ids (native /generate)."""
     res = RequestResult(req.index, req.input_len, req.output_len)
     body = request_body(req, target)
     if target.url is None:
@@ -223,6 +229,8 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
             await asyncio.gather(prefill, return_exceptions=True)
     res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason, res.stages_ms = (
         timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason, timer.stages_ms)
+    if keep_output:
+        res.output_ids = [int(t) for t in timer.output_ids]
     if res.ok and res.output_tokens != req.output_len:
         res.ok = False
         res.error = f"stream ended after {res.output_tokens} of {req.output_len} tokens"

@@ -23,9 +23,10 @@ from dataclasses import asdict, replace
 import aiohttp
 from tqdm import tqdm
 
+from common.tools import bench_multiturn as mt
 from common.tools import bench_report as report
 from common.tools.bench_client import RequestResult, Target, send
-from common.tools.bench_nodes import compare, format_nodes, snapshot
+from common.tools.bench_nodes import compare, format_nodes, get_text, snapshot
 from common.tools.bench_plots import write_goodput_plot, write_plots
 from common.tools.bench_workload import BenchRequest, make_workload
 from common.tools.local_cluster import LocalCluster, get_json
@@ -108,9 +109,11 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
         print(f"pdcluster bench: cannot read {info_url}/server_info: {exc}", file=sys.stderr)
         return 2, {}
     ctx = int(info.get("context_length") or 0)
-    if ctx and a.input_len + a.output_len > ctx:
-        print(f"pdcluster bench: --input-len + --output-len = {a.input_len + a.output_len} exceeds the "
-              f"context length {ctx}", file=sys.stderr)
+    multiturn = getattr(a, "workload", None) == "multiturn"
+    longest = (mt.longest_prompt(a.input_len, a.turn_len, a.output_len, a.num_turns) if multiturn else a.input_len)
+    if ctx and longest + a.output_len > ctx:
+        what = "the last turn's prompt + --output-len" if multiturn else "--input-len + --output-len"
+        print(f"pdcluster bench: {what} = {longest + a.output_len} exceeds the context length {ctx}", file=sys.stderr)
         return 2, {}
     vocab = vocab_size(a, info)
     if vocab is None:
@@ -124,15 +127,26 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
         print(f"warm-up: {len(res) - len(bad)}/{len(res)} ok" + (f" (first failure: {bad[0]})" if bad else ""),
               flush=True)
     before = snapshot(nodes, a.idle_timeout)
-    reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed,
-                         getattr(a, "mix", None))
+    turns: list[dict] | None = None
     load_before = os.getloadavg()
-    print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
-          f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
-          f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
     cpu_before, client_before = (cluster.cpu_seconds() if cluster else None), time.process_time()
-    results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout,
-                                                 progress=True))
+    if multiturn:
+        convs = mt.make_conversations(a.num_conversations, a.num_turns, a.input_len, a.turn_len, a.output_len,
+                                      a.range_ratio, vocab, a.think_time, a.seed)
+        print(f"sending {len(convs)} conversations x {a.num_turns} turns: first prompt up to {a.input_len}, "
+              f"{a.turn_len} new tokens and {a.output_len} output tokens per turn (range ratio {a.range_ratio:g}), "
+              f"think time {a.think_time:g} s, max concurrency {a.max_concurrency or 'none'}; "
+              f"load average {load_before[0]:.2f}", flush=True)
+        results, duration, turns = asyncio.run(mt.run_conversations(
+            target, convs, lambda: mt.read_nodes(nodes, get_text), a.max_concurrency, a.request_timeout, a.timeout))
+    else:
+        reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed,
+                             getattr(a, "mix", None))
+        print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
+              f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
+              f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
+        results, duration = asyncio.run(run_requests(target, reqs, a.max_concurrency, a.request_timeout, a.timeout,
+                                                     progress=True))
     cpu = cpu_used(cpu_before, cluster.cpu_seconds() if cluster else None, time.process_time() - client_before)
     load_after = os.getloadavg()
     summary = report.summarize(results, duration, a.slo_ttft_ms, a.slo_tpot_ms)
@@ -140,6 +154,8 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
     cmp = compare(before, after)
     leak_clean = all(not c["leak_problems"] for c in cmp.values())
     print(report.format_report(summary))
+    if turns is not None:
+        print(mt.format_turns(turns))
     print(format_nodes(cmp))
     print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
@@ -149,6 +165,8 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
            "nodes": cmp, "before": before, "after": after, "cpu_seconds": cpu,
            "load_average": {"before": load_before, "after": load_after, "cpus": os.cpu_count()},
            "prefill_efficiency": eff, "requests": [asdict(r) for r in results]}
+    if turns is not None:
+        doc["turns"] = turns
     if a.json_path:  # pictures for people, next to the JSON; their series go into it too
         doc["plots"] = write_plots(a.json_path, results, duration)
         print("plots: " + ", ".join(p["png"] for p in doc["plots"].values()))

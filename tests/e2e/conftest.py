@@ -10,7 +10,8 @@ checks, the HF comparison) live in ``tests/e2e/cluster.py``.
                  qwen3 one is ``qwen3_pair``; the llama one is the module's own, torn down
                  (process groups killed) when the module is done with it. The llama pair's
                  decode streams every 3 tokens (--stream-interval 3), so every streamed check in
-                 those tests also runs on multi-token chunks
+                 those tests also runs on multi-token chunks, and keeps its own prefix cache
+                 (--disaggregation-decode-enable-radix-cache), so they also run with decode reuse
 """
 from __future__ import annotations
 
@@ -32,5 +33,6 @@ def pd_cluster(request: pytest.FixtureRequest, tiny_model_factory: Callable[...,
     if request.param == "qwen3":
         yield request.getfixturevalue("qwen3_pair")
         return
-    with running_cluster(tiny_model_factory(request.param), decode_args=["--stream-interval", "3"]) as c:
+    with running_cluster(tiny_model_factory(request.param),
+                         decode_args=["--stream-interval", "3", "--disaggregation-decode-enable-radix-cache"]) as c:
         yield c

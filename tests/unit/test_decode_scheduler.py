@@ -106,14 +106,16 @@ class FakeReceiver(KVReceiver):
         self.reason: str | None = None
         self.abort_pending: str | None = None
         self.held = False  # Failed while the prefill may still write (the transfer layer's fence)
+        self.prefix_len = 0  # decode_prefix_len: prompt tokens the decode's own cache holds
 
     def fenced(self) -> bool:
         return self.held
 
     def init(self, page_indices: Sequence[int], aux_slot: int | None, state_indices: Sequence[int] = (),
-             prompt_digest: str = "") -> None:
+             prompt_digest: str = "", decode_prefix_len: int = 0) -> None:
         assert self.status is KVPoll.WaitingForInput, self.status
         self.pages, self.slot, self.status = list(page_indices), aux_slot, KVPoll.Transferring
+        self.prefix_len = decode_prefix_len
 
     def poll(self) -> KVPoll:
         return self.status
@@ -153,9 +155,11 @@ class FakeHub:
         r = self.rx[room]
         assert r.status is KVPoll.Transferring and r.pages is not None and r.slot is not None
         prompt = self.prompts[room]
-        assert len(r.pages) == -(-len(prompt) // PS), "decode must reserve exactly the prompt's pages"
-        for i, t in enumerate(prompt):
-            slot = r.pages[i // PS] * PS + i % PS
+        skip = r.prefix_len  # the decode holds these tokens' KV: only the pages past them are written
+        assert skip % PS == 0 and skip < len(prompt), skip
+        assert len(r.pages) == -(-len(prompt) // PS) - skip // PS, "decode must reserve exactly the prompt's pages"
+        for i, t in enumerate(prompt[skip:], start=skip):
+            slot = r.pages[(i - skip) // PS] * PS + i % PS
             assert self.engine.memory.allocator.is_allocated(slot // PS)
             self.engine.kv[slot] = t
         self.aux.write(r.slot, AuxRecord(room=room, token_id=next_token(prompt), cached_tokens=3, logprob=logprob,
@@ -173,9 +177,9 @@ class FakeHub:
 class Rig:
     def __init__(self, pages: int = 64, rows: int = 16, aux_slots: int = 16, max_running: int = 8,
                  reserved: int = 4, ratio_init: float = 0.7, stop: StopChecker | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, prefix_cache: bool = False) -> None:
         alloc = PageAllocator(pages + 1)
-        self.memory = KVMemory(alloc, ReqToTokenPool(rows, 256, "cpu"), RadixCache(alloc, PS, enabled=False), PS)
+        self.memory = KVMemory(alloc, ReqToTokenPool(rows, 256, "cpu"), RadixCache(alloc, PS, enabled=prefix_cache), PS)
         self.engine = FakeEngine(self.memory)
         self.aux = AuxPool(aux_slots, top_k=2)
         self.prompts: dict[int, list[int]] = {}
@@ -238,7 +242,9 @@ class Rig:
         self.memory.check_integrity()
         self.aux.check_integrity()
         m = self.stats.memory()
-        assert m["free_pages"] == m["total_pages"] and m["free_req_slots"] == m["total_req_slots"], m
+        # Pages the prefix cache keeps (when on) are free capacity: unlocked, evictable at once.
+        assert m["locked_pages"] == 0 and m["free_pages"] + m["evictable_pages"] == m["total_pages"], m
+        assert m["free_req_slots"] == m["total_req_slots"], m
         assert m["aux_free_slots"] == m["aux_total_slots"] and m["integrity"] == "ok", m
         assert all(r.status.terminal for r in self.hub.rx.values()), "a receiver was never driven to its end"
 

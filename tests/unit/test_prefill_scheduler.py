@@ -45,6 +45,11 @@ class StubSender(KVSender):
         self.sent: list[tuple[list[int], bool, AuxRecord | None]] = []
         self.aborts: list[str] = []
         self.writing = False
+        self.prefix_len = 0  # decode_prefix_len: what the decode's TransferInfo says it holds
+
+    @property
+    def decode_prefix_len(self) -> int:
+        return self.prefix_len
 
     def send(self, page_indices: Sequence[int], last_chunk: bool, aux: AuxRecord | None = None,
              state_indices: Sequence[int] = ()) -> None:
