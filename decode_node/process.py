@@ -63,9 +63,8 @@ class DecodePart:
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: DecodeKVManager, agreement: RankAgreement,
                         grammars: GrammarCache | None = None) -> tuple[DecodeScheduler, DecodeStats]:
-        from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
-        from decode_node.req import DecodeSchedConfig
-        from decode_node.scheduler import DecodeScheduler
+        from decode_node.admission import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+        from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
         from decode_node.stats import DecodeStats
 
         s, memory = self.sched, runner.memory

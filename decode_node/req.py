@@ -1,5 +1,5 @@
-"""What the decode scheduler holds: its requests, the queues they wait in, its counters, and the
-collaborators it needs from outside. The logic that moves requests is ``decode_node.scheduler``'s.
+"""What the decode scheduler holds: its requests, the queues they wait in, and its counters. The
+logic that moves requests is ``decode_node.scheduler``'s; what it is built on, ``decode_node.ports``.
 
 The stage says which queue holds the request and what it owns::
 
@@ -22,19 +22,16 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from common.engine.driver import SampleSpec
-from common.engine.model_runner import DecodeItem, ExtendChunk
-from common.engine.sampler import SampledToken
 from common.grammar.state import GrammarState
-from common.kvcache.req_kv import KVMemory, ReqKV
 from common.ipc.protocol import ReqOutput
+from common.kvcache.req_kv import KVMemory, ReqKV
 from common.request import FinishReason, SamplingParams
 from common.sched.stop import StopChecker
-from decode_node.budget import Holder
 from common.timeline import StageClock
-from transfer.aux import AuxRecord
+from decode_node.admission import Holder
+from decode_node.ports import AuxSlots
 from transfer.base import KVReceiver
 
 
@@ -46,53 +43,6 @@ class Stage(enum.Enum):
     RETRACTED = "retracted"
     DRAINING = "draining"
     DONE = "done"
-
-
-class ReceiverFactory(Protocol):
-    """The decode side of the transfer layer as the scheduler uses it."""
-
-    def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
-        """A receiver for ``room`` whose prefill's bootstrap server is ``host:port``. Raises
-        ``TransferError`` when the room cannot be taken (e.g. already in flight here)."""
-        ...
-
-    def reject_room(self, room: int, bootstrap_addr: str, reason: str) -> None:
-        """Tell that prefill we refused ``room`` without a receiver; no-op for a room live here."""
-        ...
-
-
-class Engine(Protocol):
-    """Forward + sample as plain data (``common.engine.driver.EngineDriver`` fits)."""
-
-    def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]: ...
-
-    def run_decode(self, items: Sequence[DecodeItem], specs: Sequence[SampleSpec]) -> list[SampledToken]: ...
-
-
-class AuxSlots(Protocol):
-    """Where the prefill writes each room's first token (``transfer.aux.AuxPool`` fits)."""
-
-    def alloc(self) -> int | None: ...
-
-    def read(self, slot: int) -> AuxRecord: ...
-
-    def free(self, slot: int) -> None: ...
-
-    def num_free(self) -> int: ...
-
-    def check_integrity(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class DecodeSchedConfig:
-    """The scheduler's view of the node's settings (built in ``DecodePart.build_scheduler``; no
-    defaults of its own but ``drain_warn_s``, which is not a setting)."""
-
-    max_running_requests: int
-    recompute_tokens_per_step: int  # resume budget per step (at least one request resumes)
-    check_aux_room: bool  # False with the fake backend: it writes no aux row
-    stream_interval: int  # a streamed request's tokens go out every this many (first and last at once)
-    drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
 
 
 @dataclass
@@ -301,18 +251,3 @@ class DecodeQueues:
         assert len(slots) == len(set(slots)), "two requests share an aux slot"
         assert all(r.kv is None and r.aux_slot is None for r in [*self.prealloc, *self.retracted]), \
             "a request holds memory in a stage that owns none"
-
-
-def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int) -> SampledToken | None:
-    """Write the KV of ``ids`` into ``r``'s row, ``chunk`` tokens per forward (a resumed request's
-    recompute); a request with no output yet samples its first token from the last chunk."""
-    assert r.kv is not None
-    chunk = max(chunk, 1)
-    sampled: SampledToken | None = None
-    for start in range(0, len(ids), chunk):
-        end = min(start + chunk, len(ids))
-        first = end == len(ids) and not r.out
-        spec = SampleSpec(r.params, r.out, r.prompt, r.grammar.matcher if r.grammar else None) if first else None
-        [sampled] = engine.run_extend([ExtendChunk(r.kv.row, ids[start:end], start)], [spec])
-    r.kv.kv_len = len(ids)
-    return sampled

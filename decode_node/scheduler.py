@@ -3,7 +3,7 @@
 queue (``DecodeQueues``) once::
 
     GenerateReq ──arrive──> prealloc: KVReceiver(room) bootstraps (finds the prefill, registers our buffers)
-        │  handshake done AND both memory checks pass (decode_node.budget):
+        │  handshake done AND both memory checks pass (decode_node.admission):
         │      row + prompt pages + aux slot; receiver.init() sends TransferInfo
         v
     transfer: poll() ──Failed──> pages + aux slot freed, 503 naming the cause
@@ -41,8 +41,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from common.engine.model_runner import DecodeItem
+from common.engine.driver import SampleSpec
+from common.engine.model_runner import DecodeItem, ExtendChunk
+from common.engine.sampler import SampledToken
 from common.grammar.cache import GrammarCache
 from common.grammar.spec import spec_of
 from common.grammar.state import GrammarState
@@ -50,14 +53,26 @@ from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
 from common.kvcache.req_kv import KVMemory
 from common.request import FinishReason
 from common.sched.stop import StopChecker
-from decode_node.budget import DecodeBudget, NewTokenRatio
-from decode_node.req import AuxSlots, DecodeCounters, DecodeQueues, DecodeReq, DecodeSchedConfig, Engine
-from decode_node.req import ReceiverFactory, Stage, recompute
+from decode_node.admission import DecodeBudget, NewTokenRatio
+from decode_node.ports import AuxSlots, Engine, ReceiverFactory
+from decode_node.req import DecodeCounters, DecodeQueues, DecodeReq, Stage
 from transfer.errors import RoomInUse, TransferError
 from transfer.messages import prompt_digest
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSchedConfig:
+    """The scheduler's view of the node's settings (built in ``DecodePart.build_scheduler``; no
+    defaults of its own but ``drain_warn_s``, which is not a setting)."""
+
+    max_running_requests: int
+    recompute_tokens_per_step: int  # resume budget per step (at least one request resumes)
+    check_aux_room: bool  # False with the fake backend: it writes no aux row
+    stream_interval: int  # a streamed request's tokens go out every this many (first and last at once)
+    drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
 
 
 class DecodeScheduler:
@@ -466,3 +481,18 @@ class DecodeScheduler:
 
     def check_integrity(self) -> None:
         self.queues.check_integrity(self.memory, self.aux)
+
+
+def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int) -> SampledToken | None:
+    """Write the KV of ``ids`` into ``r``'s row, ``chunk`` tokens per forward (a resumed request's
+    recompute); a request with no output yet samples its first token from the last chunk."""
+    assert r.kv is not None
+    chunk = max(chunk, 1)
+    sampled: SampledToken | None = None
+    for start in range(0, len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        first = end == len(ids) and not r.out
+        spec = SampleSpec(r.params, r.out, r.prompt, r.grammar.matcher if r.grammar else None) if first else None
+        [sampled] = engine.run_extend([ExtendChunk(r.kv.row, ids[start:end], start)], [spec])
+    r.kv.kv_len = len(ids)
+    return sampled

@@ -61,7 +61,7 @@ class PrefillPart:
     def build_scheduler(self, runner: ModelRunner, engine: EngineDriver, stop: StopChecker,
                         manager: PrefillKVManager, agreement: RankAgreement,
                         grammars: GrammarCache | None = None) -> tuple[PrefillScheduler, PrefillStats]:
-        from prefill_node.adder import PrefillBudget
+        from prefill_node.admission import PrefillBudget
         from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
         from prefill_node.stats import PrefillStats
 

@@ -42,24 +42,42 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from common.engine.driver import SampleSpec
 from common.engine.model_runner import ExtendChunk
+from common.engine.sampler import SampledToken
 from common.grammar.cache import GrammarCache
 from common.grammar.spec import spec_of
 from common.grammar.state import GrammarState
 from common.ipc.protocol import GenerateReq, ReqOutput, WorkItem
+from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
+from common.request import FinishReason
 from common.sched.stop import StopChecker
-from prefill_node.adder import PrefillAdder, order_waiting
-from prefill_node.req import ExtendEngine, PrefillCounters, PrefillQueues, PrefillReq, PrefillSchedConfig, SenderFactory
-from prefill_node.req import aux_record, ended_early, failed, input_error, local_answer, local_finish, pages_to_send
-from prefill_node.req import peek_prefix_len, room_ended
+from prefill_node.admission import Policy, PrefillAdder, PrefillBudget, order_waiting
+from prefill_node.ports import ExtendEngine, SenderFactory
+from prefill_node.req import PrefillCounters, PrefillQueues, PrefillReq
+from transfer.aux import AuxRecord
 from transfer.errors import RoomInUse, TransferError
 from transfer.messages import prompt_digest
 from transfer.poll import KVPoll
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillSchedConfig:
+    """The scheduler's view of the node's settings (built in ``PrefillPart.build_scheduler``;
+    no defaults of its own: each setting is declared once, in ``common.config``)."""
+
+    budget: PrefillBudget
+    policy: Policy
+    transfer_timeout_s: float  # inflight without a terminal state this long -> abort the room
+    aux_top_k: int  # top logprobs carried in the aux record (must match the transfer layout)
+    # The model's context length: a prompt this long leaves no room for a token (the API's rule).
+    # None: only the request row (the context length rounded up to whole pages) bounds it.
+    context_len: int | None
 
 
 class PrefillScheduler:
@@ -434,3 +452,123 @@ class PrefillScheduler:
 
     def check_integrity(self) -> None:
         self.queues.check_integrity(self.memory)
+
+
+# ---- arrival checks and replies ------------------------------------------------------------------
+
+
+def input_error(msg: GenerateReq, memory: KVMemory, context_len: int | None) -> str | None:
+    """Why the request can never run on this node (400), or None. Touches no pool."""
+    n = len(msg.input_ids)
+    if n == 0:
+        return "empty prompt"
+    if context_len is not None and n >= context_len:
+        return f"prompt of {n} tokens does not fit the context length {context_len} (at least one token must follow)"
+    if n > memory.req_to_token.max_context_len:
+        return f"prompt of {n} tokens exceeds the context length {memory.req_to_token.max_context_len}"
+    pages, total = memory.pages_for(n), memory.allocator.num_total
+    if pages > total:
+        return f"prompt of {n} tokens needs {pages} KV pages; this node has {total}"
+    if msg.bootstrap_room is None and msg.sampling.max_new_tokens > 1:
+        return ("a prefill node generates no text: send disaggregated requests (bootstrap_host/port/room) "
+                "through the router, or max_new_tokens <= 1 for a local check")
+    return None
+
+
+def local_finish(req: PrefillReq, stop: StopChecker) -> FinishReason:
+    """How a local request's one sampled token ends it (none at all for max_new_tokens 0)."""
+    if req.params.max_new_tokens == 0:
+        req.first = None
+        return FinishReason(type="length", length=0)
+    assert req.first is not None
+    return stop.check(req.params, [req.first.token_id]) or FinishReason(type="length", length=1)
+
+
+def peek_prefix_len(cache: RadixCache) -> Callable[[PrefillReq], int]:
+    """Each waiting request's cached prefix length, read without touching the cache (memoised for
+    one step): most waiting requests are not admitted this step, and stamping their prefixes every
+    step would distort LRU eviction. Evictions during the step only shorten prefixes; admission
+    re-checks with the real match."""
+    peeked: dict[str, int] = {}
+
+    def prefix_len(r: PrefillReq) -> int:
+        if r.rid not in peeked:
+            peeked[r.rid] = cache.peek_prefix_len(r.input_ids, r.prompt_len - 1)
+        return peeked[r.rid]
+
+    return prefix_len
+
+
+def pages_to_send(req: PrefillReq, last: bool, page_size: int, skip_pages: int = 0) -> tuple[list[int], int]:
+    """The pages a computed chunk hands to the sender, and how many are sent once they are. An
+    intermediate chunk sends full pages only; a page it filled partly goes with the next chunk::
+
+        page_size 4, chunk ends at token 10:  |0 1 2 3|4 5 6 7|8 9 . .|  -> sends pages 0, 1
+        last chunk (prompt of 13 tokens):      ... |8 9 10 11|12 . . .|  -> sends pages 2, 3
+
+    The first ``skip_pages`` pages are never sent: the decode holds their KV already
+    (``decode_prefix_len``). They are still computed here, from this node's own cache or anew.
+    """
+    kv = req.kv
+    assert kv is not None
+    upto = len(kv.pages) if last else kv.kv_len // page_size
+    return kv.pages[max(req.sent_pages, skip_pages) : upto], upto
+
+
+def aux_record(req: PrefillReq, tok: SampledToken, top_k: int, kv_digest: bytes = b"") -> AuxRecord:
+    """What the decode needs besides the KV: the first token, its logprobs, the cache hit, and
+    the digest of the KV it is about to receive (common/kvcache/page_digest.py)."""
+    top = tok.top_logprobs[:top_k]
+    return AuxRecord(
+        room=req.room or 0,
+        token_id=tok.token_id,
+        cached_tokens=req.cached,
+        logprob=tok.logprob if tok.logprob is not None else 0.0,
+        top_ids=tuple(i for i, _ in top),
+        top_logprobs=tuple(lp for _, lp in top),
+        kv_digest=kv_digest,
+    )
+
+
+def room_ended(req: PrefillReq, state: KVPoll) -> ReqOutput:
+    """The reply of a request whose room reached a terminal ``state``."""
+    assert req.sender is not None
+    if req.abort_reason is not None:
+        return ended_early(req)
+    if state is KVPoll.Success:
+        return transferred(req)
+    reason = req.sender.failure_reason or "unknown reason"
+    return failed(req.rid, f"{req.name()}: KV transfer failed: {reason}", 503, req.prompt_len, req.cached)
+
+
+def ended_early(req: PrefillReq) -> ReqOutput:
+    """The reply of a request ended before its transfer: a client abort, or an error (its status)."""
+    reason = req.abort_reason or "aborted"
+    if req.abort_status is None:
+        return ReqOutput(rid=req.rid, finish=FinishReason(type="abort", message=reason),
+                         prompt_tokens=req.prompt_len, cached_tokens=req.cached)
+    return failed(req.rid, f"{req.name()}: {reason}", req.abort_status, req.prompt_len, req.cached)
+
+
+def transferred(req: PrefillReq) -> ReqOutput:
+    """A disaggregated request's answer: its KV is on the decode; the prefill generates nothing."""
+    req.clock.lap("transfer")
+    return ReqOutput(rid=req.rid, finish=FinishReason(type="length", length=0),
+                     prompt_tokens=req.prompt_len, cached_tokens=req.cached, timeline=req.clock.times())
+
+
+def local_answer(req: PrefillReq, finish: FinishReason) -> ReqOutput:
+    """A local request's answer: the one token the prefill sampled (none for max_new_tokens 0)."""
+    tok = req.first
+    ids = [tok.token_id] if tok is not None else []
+    out = ReqOutput(rid=req.rid, new_token_ids=ids, finish=finish, prompt_tokens=req.prompt_len,
+                    completion_tokens=len(ids), cached_tokens=req.cached, timeline=req.clock.times())
+    if tok is not None and req.params.return_logprob:
+        out.new_logprobs = [tok.logprob if tok.logprob is not None else 0.0]
+        out.new_top_logprobs = [list(tok.top_logprobs)]
+    return out
+
+
+def failed(rid: str, error: str, status: int, prompt_tokens: int = 0, cached_tokens: int = 0) -> ReqOutput:
+    return ReqOutput(rid=rid, finish=FinishReason(type="abort", message=error), prompt_tokens=prompt_tokens,
+                     cached_tokens=cached_tokens, error=error, http_status=status)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import ConfigError, SchedulerConfig
-from decode_node.budget import DecodeBudget, DecodeBudgetConfig, Holder, NewTokenRatio
+from decode_node.admission import DecodeBudget, DecodeBudgetConfig, Holder, NewTokenRatio
 
 
 def budget(total: int = 100, reserved: int = 8) -> DecodeBudget:

@@ -25,7 +25,7 @@ from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.ipc.protocol import AbortReq, GenerateReq, ReqOutput, WorkItem
 from common.request import SamplingParams
-from decode_node.budget import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
+from decode_node.admission import DecodeBudget, DecodeBudgetConfig, NewTokenRatio
 from common.sched.stop import StopChecker
 from decode_node.scheduler import DecodeSchedConfig, DecodeScheduler
 from decode_node.stats import DecodeStats

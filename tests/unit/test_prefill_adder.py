@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefill_node.adder import LPM_MAX_QUEUE, PrefillAdder, PrefillBudget, order_waiting, pages_for
+from prefill_node.admission import LPM_MAX_QUEUE, PrefillAdder, PrefillBudget, order_waiting, pages_for
 
 
 def adder(max_tokens: int, chunk: int | None, pages: int = 10_000, page_size: int = 1) -> PrefillAdder:

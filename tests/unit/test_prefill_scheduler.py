@@ -23,7 +23,7 @@ from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.ipc.protocol import AbortReq, GenerateReq, ReqOutput
 from common.request import SamplingParams
-from prefill_node.adder import PrefillBudget
+from prefill_node.admission import PrefillBudget
 from common.sched.stop import StopChecker
 from prefill_node.scheduler import PrefillSchedConfig, PrefillScheduler
 from prefill_node.stats import PrefillStats

@@ -16,9 +16,9 @@ import os
 
 import pytest
 
-from decode_node.budget import DecodeBudgetConfig
-from decode_node.req import DecodeSchedConfig
-from prefill_node.req import PrefillSchedConfig
+from decode_node.admission import DecodeBudgetConfig
+from decode_node.scheduler import DecodeSchedConfig
+from prefill_node.scheduler import PrefillSchedConfig
 from transfer.config import KVManagerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
