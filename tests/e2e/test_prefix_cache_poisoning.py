@@ -7,16 +7,28 @@ first buffer the prefill registered (the K of layer 0) and overwrites its first 
 garbage, where an idle pool keeps the prefix cache of the prompt just served. The same prompt
 sent again must come back equal to HF greedy token for token, recomputed rather than read from
 the poisoned pages, with the prefill's integrity-failure metric counting it; the node ends idle.
+
+The same attacker then writes into a decode's pages while a transfer is in flight: the prefill
+stops itself (fault hook) after the first of the room's engine writes (one descriptor each: the
+K of layer 0 of the room's pages) and before the aux row that carries the prompt's digest; the
+attacker overwrites the decode's layer-0 K pages and the prefill is resumed. The decode must fail
+that request (502, never a 200 from the poisoned pages) and count it in its integrity metric; the
+same prompt then comes back equal to HF, and both nodes end idle.
 """
 from __future__ import annotations
 
 import ctypes
+import os
+import re
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, check_greedy, metric, running_cluster
+from tests.e2e.cluster import Cluster, check_greedy, memory, metric, running_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -25,11 +37,19 @@ mooncake = pytest.importorskip("mooncake.engine")
 PROMPT = [(13 * k + 7) % 500 + 10 for k in range(70)]  # 4 full pages of 16 and 6 tokens
 N = 8
 POISONED_PAGES = 16  # pages 1..16 of layer 0's K: the idle pool's first pages, where PROMPT was cached
+MID_TRANSFER_ROOM = 2**50 + 26  # the room the prefill stops in (outside next_room()'s range)
+DECODE_PROMPT = [(17 * k + 5) % 500 + 10 for k in range(50)]
+# One descriptor per engine call, and the stop after the first: the room's layer-0 K landed on the
+# decode, its aux row (the digest) not yet. The heartbeat bound (5 s x 4) outlasts the pause.
+ENV = {"PDC_FAULT_STOP_BEFORE_WRITE_ROOM": str(MID_TRANSFER_ROOM), "PDC_FAULT_STOP_AFTER_WRITES": "1",
+       "PDC_TRANSFER_MAX_BATCH_ENTRIES": "1", "PDC_HEARTBEAT_INTERVAL_S": "5",
+       "PDC_LOG_LEVEL": "INFO"}  # INFO: the decode logs its Mooncake session (the attacker would scan for it)
+STOP_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen3: str) -> Iterator[Cluster]:
-    with running_cluster(tiny_qwen3) as c:
+    with running_cluster(tiny_qwen3, decode_args=["--max-total-tokens", "1024"], env=ENV) as c:
         yield c
 
 
@@ -78,4 +98,66 @@ def test_garbage_written_into_the_prefills_cached_pages_is_never_served(cluster:
     check_greedy(cluster.model_dir, PROMPT, after, N, "after garbage was written into the cached pages")
     assert cached < 64, f"the poisoned prefix was served ({cached} cached tokens)"
     assert metric(cluster.prefill.url, "pdc_scheduler_kv_integrity_failures_total") >= failures + 1
+    cluster.wait_idle()
+
+
+def stopped_pid(group: int) -> int | None:
+    """A process of the node's process group that is stopped (SIGSTOP), if any."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] == "T":
+            return int(pid)
+    return None
+
+
+def decode_session(cluster: Cluster) -> str:
+    with open(cluster.decode.log_path, errors="replace") as f:
+        m = re.search(r"decode KV manager up: status \S+, data (\S+)", f.read())
+    assert m, "the decode logged no Mooncake session"
+    return m.group(1)
+
+
+def test_garbage_written_into_a_decodes_pages_mid_transfer_is_never_served(cluster: Cluster) -> None:
+    failures = metric(cluster.decode.url, "pdc_scheduler_kv_integrity_failures_total")
+    total = memory(cluster.decode.url)["total_pages"]
+    nbytes = page_bytes(cluster)
+    body = {"input_ids": DECODE_PROMPT, "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    b = cluster.body(body, room=MID_TRANSFER_ROOM)
+    with ThreadPoolExecutor(2) as ex:
+        resumed = False
+        prefill = ex.submit(httpx.post, cluster.prefill.url + "/generate", json={**b, "stream": True}, timeout=180)
+        pd = ex.submit(httpx.post, cluster.decode.url + "/generate", json=b, timeout=180)
+        try:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while stopped_pid(cluster.prefill.proc.pid) is None:
+                assert not pd.done(), f"the request ended before the prefill stopped: {pd.result().text}"
+                assert time.monotonic() < deadline, "the prefill never stopped mid-transfer"
+                time.sleep(0.05)
+            # The pause: layer 0's K of the room is on the decode, the digest is not. Overwrite every
+            # page of the decode's layer-0 K (but the reserved page 0) with garbage.
+            engine = mooncake.TransferEngine()
+            assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            size = (total - 1) * nbytes
+            garbage = ctypes.create_string_buffer(b"\x7f" * size, size)
+            assert engine.register_memory(ctypes.addressof(garbage), size) == 0
+            session = decode_session(cluster)
+            target = engine.get_first_buffer_address(session)
+            assert target, "the handshake named no buffer"
+            assert engine.batch_transfer_sync_write(session, [ctypes.addressof(garbage)], [target + nbytes], [size]) == 0
+            os.killpg(cluster.prefill.proc.pid, signal.SIGCONT)
+            resumed = True
+            d = pd.result(timeout=120)
+            prefill.result(timeout=120)  # its answer is moot: the decode judges what arrived
+        finally:
+            if not resumed:
+                os.killpg(cluster.prefill.proc.pid, signal.SIGCONT)
+    assert d.status_code == 502 and "KV integrity check failed" in d.text, (d.status_code, d.text)
+    assert metric(cluster.decode.url, "pdc_scheduler_kv_integrity_failures_total") >= failures + 1
+    p_again, d_again = cluster.pd("/generate", cluster.body(body))  # the pages are whole again once rewritten
+    assert p_again.status_code == 200 and d_again.status_code == 200, d_again.text
+    check_greedy(cluster.model_dir, DECODE_PROMPT, d_again.json()["output_ids"], N, "after the poisoned transfer")
     cluster.wait_idle()
