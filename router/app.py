@@ -39,7 +39,7 @@ from router import dashboard
 from router.auth import CLIENT, require_keys
 from router.clients import Clients, KeysFileError, retry_after, token_estimate
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
-from router.forward import ForwardConfig, Forwarder, error_response
+from router.forward import USAGE, ForwardConfig, Forwarder, error_response
 from router.kv_index import KVIndex
 from router.kv_subscriber import KVSubscriptions
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -207,14 +207,24 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
             router.metrics.errors.labels(endpoint, "bad_request").inc()
             return error_response(exc.status, exc.message)
         client = request.get(CLIENT)
-        if client is not None and client.tokens_per_min is not None:
-            wait = request.app[CLIENTS].take(client, "tokens", token_estimate(body, len(raw), info.sequences))
-            if wait > 0:
-                router.metrics.requests.labels(endpoint, "429").inc()
-                return error_response(429, f"{client.name!r} is over its limit of {client.tokens_per_min:g} tokens "
-                                           "per minute (an estimate: prompt bytes / 4 + the most it may generate)",
-                                      headers={"Retry-After": retry_after(wait)})
-        return await router.forwarder.handle(request, endpoint, body, info, key)
+        if client is None or client.tokens_per_min is None:
+            return await router.forwarder.handle(request, endpoint, body, info, key)
+        charged = token_estimate(body, len(raw), info.sequences)
+        wait = request.app[CLIENTS].take(client, "tokens", charged)
+        if wait > 0:
+            router.metrics.requests.labels(endpoint, "429").inc()
+            return error_response(429, f"{client.name!r} is over its limit of {client.tokens_per_min:g} tokens "
+                                       "per minute (an estimate: prompt bytes / 4 + the most it may generate)",
+                                  headers={"Retry-After": retry_after(wait)})
+        resp = await router.forwarder.handle(request, endpoint, body, info, key)
+        # Settled against what it cost: the usage the nodes reported; nothing for a request that
+        # failed unanswered; the estimate where a stream ended without its usage.
+        used = request.get(USAGE)
+        if used is None and resp.status != 200:
+            used = 0.0
+        if used is not None:
+            request.app[CLIENTS].settle(client, "tokens", charged, used)
+        return resp
 
     return handler
 
