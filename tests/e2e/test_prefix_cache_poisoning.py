@@ -161,3 +161,45 @@ def test_garbage_written_into_a_decodes_pages_mid_transfer_is_never_served(clust
     assert p_again.status_code == 200 and d_again.status_code == 200, d_again.text
     check_greedy(cluster.model_dir, DECODE_PROMPT, d_again.json()["output_ids"], N, "after the poisoned transfer")
     cluster.wait_idle()
+
+
+def listeners(group: int) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket of the node's process group (the
+    ``ss -ltnp`` view, read from /proc so no tool is needed)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != group:
+                    continue
+            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+                      if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+            for fam in ("tcp", "tcp6"):
+                with open(f"/proc/{pid}/net/{fam}") as f:
+                    for line in list(f)[1:]:
+                        cols = line.split()
+                        if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                            addr, port = cols[1].split(":")
+                            out.append((int(pid), addr, int(port, 16)))
+        except (OSError, ValueError):
+            continue  # a process that exited meanwhile
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net writes them
+
+
+def test_only_mooncake_listens_beyond_host(cluster: Cluster) -> None:
+    """With --host 127.0.0.1 every listener of our own (HTTP, registry, ZMQ control and events) is
+    on loopback. Mooncake's two ports per engine are the documented exception (docs/OPERATIONS.md
+    §7: 0.3.13.post1 binds 0.0.0.0 and [::] and has no setting against it); if a release fixes
+    that, this test says so and the threat model must change."""
+    for node in (cluster.prefill, cluster.decode):
+        socks = listeners(node.proc.pid)
+        assert socks, f"{node.name}: no listening socket found"
+        wide = [(pid, addr, port) for pid, addr, port in socks if addr not in LOOPBACK]
+        per_pid: dict[int, int] = {}
+        for pid, _, port in wide:
+            assert 15000 <= port <= 17000, f"{node.name}: a non-Mooncake port listens beyond loopback: {wide}"
+            per_pid[pid] = per_pid.get(pid, 0) + 1
+        assert wide and all(n == 2 for n in per_pid.values()), (node.name, wide)
