@@ -376,8 +376,8 @@ def reported_usage(answer: object) -> float | None:
         return None if not parts or any(p is None for p in parts) else float(sum(parts))  # type: ignore[arg-type]
     if not isinstance(answer, dict):
         return None
-    for field in ("usage", "meta_info"):
-        rec = answer.get(field)
+    for key in ("usage", "meta_info"):
+        rec = answer.get(key)
         if isinstance(rec, dict):
             p, c = rec.get("prompt_tokens"), rec.get("completion_tokens")
             if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, c)):
