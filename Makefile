@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz shared-room clean
 
 setup: $(VENV)/.installed
 
@@ -77,6 +77,11 @@ soak: setup
 FUZZ_EXAMPLES ?= 500
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_fuzz_http.py tests/unit/test_fuzz_control_plane.py
+
+# Two requests sharing a bootstrap room, one and two decodes, random timing (CI runs 8 trials).
+SHARED_ROOM_TRIALS ?= 200
+shared-room: setup
+	SHARED_ROOM_TRIALS=$(SHARED_ROOM_TRIALS) $(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_shared_room.py
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools

@@ -202,10 +202,20 @@ class ServerConfig:
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     max_n: int = MAX_N
+    # HTTPS (sglang's flag names); with a CA, clients must show a certificate it signed (mutual TLS).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None  # None: the key is inside the certfile
+    ssl_ca_certs: str | None = None
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} out of range")
+        if self.ssl_certfile is None and (self.ssl_keyfile is not None or self.ssl_ca_certs is not None):
+            raise ConfigError("--ssl-keyfile and --ssl-ca-certs need --ssl-certfile")
+        for flag, path in (("--ssl-certfile", self.ssl_certfile), ("--ssl-keyfile", self.ssl_keyfile),
+                           ("--ssl-ca-certs", self.ssl_ca_certs)):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ CLUSTER_SECRET = EnvVar("PDC_CLUSTER_SECRET", "", "shared secret of nodes, regis
 FAULT_STOP_BEFORE_WRITE_ROOM = EnvVar(
     "PDC_FAULT_STOP_BEFORE_WRITE_ROOM", -1,
     "FAULT INJECTION, tests only (-1: off): a prefill transfer worker SIGSTOPs its own process right before its first engine write for this room")
+FAULT_STOP_AFTER_WRITES = EnvVar(
+    "PDC_FAULT_STOP_AFTER_WRITES", 0,
+    "FAULT INJECTION, tests only: engine writes of PDC_FAULT_STOP_BEFORE_WRITE_ROOM a worker lets through before it stops (0: before the first)")
 FAULT_STOP_RANK = EnvVar("PDC_FAULT_STOP_RANK", -1, "FAULT INJECTION, tests only: only this TP rank stops for PDC_FAULT_STOP_BEFORE_WRITE_ROOM (-1: every rank)")
 ACCEPT_BEARER_SECRET = EnvVar("PDC_ACCEPT_BEARER_SECRET", False, "nodes also accept the cluster secret as a bearer token (for sglang-router); --accept-bearer-secret wins")
 INSECURE = EnvVar("PDC_INSECURE", False, "let a node or registry listen on a non-loopback address without a cluster secret; --insecure wins")

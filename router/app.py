@@ -39,7 +39,7 @@ from router import dashboard
 from router.auth import CLIENT, require_keys
 from router.clients import Clients, KeysFileError, retry_after, token_estimate
 from router.config import ROLES, ConfigError, RouterConfig, WorkerSpec, check_bootstrap_port, check_url
-from router.forward import ForwardConfig, Forwarder, error_response
+from router.forward import USAGE, ForwardConfig, Forwarder, error_response
 from router.kv_index import KVIndex
 from router.kv_subscriber import KVSubscriptions
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -93,6 +93,7 @@ class Router:
 STATE = web.AppKey("router", Router)
 CONFIG = web.AppKey("config", RouterConfig)
 CLIENTS = web.AppKey("clients", Clients)
+WORKER_SSL = web.AppKey("worker_ssl", object)  # ssl.SSLContext, or True: aiohttp's default checks
 
 
 @web.middleware
@@ -126,7 +127,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # No pool limit (the cluster's capacity is the limit); a connect is bounded so a dead host
     # fails a try in seconds. No total timeout here: each request has its own deadline. With a
     # cluster secret the session signs every request (forwards, fan-outs, load polls) in one place.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False,
+                                                                   ssl=app[WORKER_SSL]),
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
                                     middlewares=(sign_requests(cfg.cluster_secret),) if cfg.cluster_secret else ())
     router = Router(cfg, session)
@@ -207,14 +209,24 @@ def _generation(endpoint: str):  # type: ignore[no-untyped-def]
             router.metrics.errors.labels(endpoint, "bad_request").inc()
             return error_response(exc.status, exc.message)
         client = request.get(CLIENT)
-        if client is not None and client.tokens_per_min is not None:
-            wait = request.app[CLIENTS].take(client, "tokens", token_estimate(body, len(raw), info.sequences))
-            if wait > 0:
-                router.metrics.requests.labels(endpoint, "429").inc()
-                return error_response(429, f"{client.name!r} is over its limit of {client.tokens_per_min:g} tokens "
-                                           "per minute (an estimate: prompt bytes / 4 + the most it may generate)",
-                                      headers={"Retry-After": retry_after(wait)})
-        return await router.forwarder.handle(request, endpoint, body, info, key)
+        if client is None or client.tokens_per_min is None:
+            return await router.forwarder.handle(request, endpoint, body, info, key)
+        charged = token_estimate(body, len(raw), info.sequences)
+        wait = request.app[CLIENTS].take(client, "tokens", charged)
+        if wait > 0:
+            router.metrics.requests.labels(endpoint, "429").inc()
+            return error_response(429, f"{client.name!r} is over its limit of {client.tokens_per_min:g} tokens "
+                                       "per minute (an estimate: prompt bytes / 4 + the most it may generate)",
+                                  headers={"Retry-After": retry_after(wait)})
+        resp = await router.forwarder.handle(request, endpoint, body, info, key)
+        # Settled against what it cost: the usage the nodes reported; nothing for a request that
+        # failed unanswered; the estimate where a stream ended without its usage.
+        used = request.get(USAGE)
+        if used is None and resp.status != 200:
+            used = 0.0
+        if used is not None:
+            request.app[CLIENTS].settle(client, "tokens", charged, used)
+        return resp
 
     return handler
 
@@ -381,6 +393,26 @@ def server_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
     return ctx
 
 
+def worker_ssl_context(cfg: RouterConfig) -> ssl.SSLContext | bool:
+    """What the router's one session checks https:// workers with: certificates against
+    ``--worker-ssl-ca-certs`` (else the system's CAs), showing ``--worker-ssl-certfile`` to nodes
+    that require a client certificate. True (aiohttp's default checks) when neither is set."""
+    if cfg.worker_ssl_ca_certs is None and cfg.worker_ssl_certfile is None:
+        return True
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.worker_ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--worker-ssl-ca-certs {cfg.worker_ssl_ca_certs}: cannot load: {exc}") from exc
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cfg.worker_ssl_certfile is not None:
+        try:
+            ctx.load_cert_chain(cfg.worker_ssl_certfile, cfg.worker_ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"--worker-ssl-certfile {cfg.worker_ssl_certfile} / --worker-ssl-keyfile "
+                              f"{cfg.worker_ssl_keyfile}: cannot load: {exc}") from exc
+    return ctx
+
+
 def create_app(cfg: RouterConfig) -> web.Application:
     clients = Clients(cfg.api_key, cfg.operator_key, cfg.keys_file)
     middlewares = [_count_clients, require_keys(clients)] if clients.enabled else []
@@ -388,6 +420,7 @@ def create_app(cfg: RouterConfig) -> web.Application:
     app = web.Application(client_max_size=cfg.max_payload_size, middlewares=middlewares)
     app[CONFIG] = cfg
     app[CLIENTS] = clients
+    app[WORKER_SSL] = worker_ssl_context(cfg)  # a file that does not load: ConfigError, exit 2
     app.cleanup_ctx.append(_lifecycle)
     r = app.router
     r.add_post("/generate", _generation("generate"))

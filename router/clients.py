@@ -23,6 +23,13 @@ Limits are token buckets per client: ``requests_per_min`` takes one per request,
 bytes / 4 for the prompt, plus the most tokens it may generate), after it is parsed (the router
 has no tokenizer). A request over either limit is a 429 with ``Retry-After`` (seconds until the
 bucket holds enough) and touches no worker. A bucket holds at most one minute's worth.
+
+The estimate is settled when the response is done (``settle``): against the prompt and
+completion tokens the nodes reported (``usage`` / ``meta_info``), a request that failed without
+an answer is refunded in full, and one whose usage is unknown (a stream cut off) keeps the
+estimate. A refund never fills the bucket past one minute's worth; a charge beyond the estimate
+(a prompt of more than one token per 4 bytes) never takes it deeper than one minute's worth of
+debt, which the refill pays before the client's next request goes.
 """
 from __future__ import annotations
 
@@ -126,6 +133,17 @@ class _Bucket:
             return 0.0
         return (need - self.level) / rate
 
+    def adjust(self, delta: float, now: float) -> None:
+        """Refund (``delta`` > 0) or charge (< 0) after the fact: refilled to ``now`` first, never
+        above a minute's worth, and a charge never below a minute's worth of debt (a debt an
+        oversized request already left stays as it is)."""
+        self.level = min(self.per_min, self.level + (now - self.at) * self.per_min / 60.0)
+        self.at = now
+        if delta > 0:
+            self.level = min(self.per_min, self.level + delta)
+        elif delta < 0:
+            self.level = max(min(self.level, -self.per_min), self.level + delta)
+
 
 @dataclass
 class Clients:
@@ -202,6 +220,19 @@ class Clients:
             if bucket is None or bucket.per_min != per_min:
                 bucket = self._buckets[(client.name, kind)] = _Bucket(per_min, per_min, now)
             return bucket.take(amount, now)
+
+    def settle(self, client: ClientSpec, kind: str, charged: float, used: float, now: float | None = None) -> None:
+        """``charged`` was taken from ``client``'s ``kind`` bucket at admission; the request
+        turned out to cost ``used``: give back or take the difference (``_Bucket.adjust``). A
+        bucket reset meanwhile (limits changed by a reload) is left alone."""
+        per_min = client.requests_per_min if kind == "requests" else client.tokens_per_min
+        if per_min is None or used == charged:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            bucket = self._buckets.get((client.name, kind))
+            if bucket is not None and bucket.per_min == per_min:
+                bucket.adjust(charged - used, now)
 
 
 def retry_after(wait_s: float) -> str:

@@ -68,6 +68,11 @@ class RouterConfig:
     # TLS for clients (None: plain HTTP). The key may sit in the certificate file.
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # TLS towards https:// workers: the CAs their certificates are checked against (None: the
+    # system's) and the client certificate shown to nodes that require one (mutual TLS).
+    worker_ssl_ca_certs: str | None = None
+    worker_ssl_certfile: str | None = None
+    worker_ssl_keyfile: str | None = None
     # Client input limits (common/http_limits.py): a larger body is a 413 before it is read; a
     # request head (body) not in within the timeout closes the connection (is a 408).
     max_payload_size: int = ROUTER_MAX_BODY_BYTES
@@ -172,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "see router/clients.py and docs/OPERATIONS.md); reloaded on SIGHUP")
     ap.add_argument("--ssl-certfile", metavar="PATH", help="serve HTTPS with this certificate (chain) in PEM")
     ap.add_argument("--ssl-keyfile", metavar="PATH", help="its private key in PEM (default: inside --ssl-certfile)")
+    ap.add_argument("--worker-ssl-ca-certs", metavar="PATH",
+                    help="check https:// workers' certificates against these CAs (default: the system's)")
+    ap.add_argument("--worker-ssl-certfile", metavar="PATH",
+                    help="client certificate (PEM) for https:// workers that require one (their --ssl-ca-certs)")
+    ap.add_argument("--worker-ssl-keyfile", metavar="PATH", help="its private key (default: inside --worker-ssl-certfile)")
     ap.add_argument("--insecure", action="store_true",
                     help="listen on a non-loopback --host with neither --api-key nor --operator-key")
     ap.add_argument("--worker-allow", action="append", default=[], metavar="PATTERN",
@@ -237,6 +247,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                           "PDC_OPERATOR_KEY (or their flags), or pass --insecure to run open anyway")
     if ns.ssl_keyfile is not None and ns.ssl_certfile is None:
         raise ConfigError("--ssl-keyfile needs --ssl-certfile")
+    if ns.worker_ssl_keyfile is not None and ns.worker_ssl_certfile is None:
+        raise ConfigError("--worker-ssl-keyfile needs --worker-ssl-certfile")
     if api_key is not None and api_key == operator_key:
         raise ConfigError("--operator-key must differ from --api-key: a client key must not be an operator's")
     for pattern in ns.worker_allow:
@@ -256,6 +268,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         cache=CacheAwareConfig(ns.cache_threshold, ns.balance_abs_threshold, ns.max_tree_chars),
         log_level=ns.log_level, api_key=api_key, operator_key=operator_key, worker_allow=tuple(ns.worker_allow),
         cluster_secret=cluster_secret, ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, keys_file=ns.keys_file,
+        worker_ssl_ca_certs=ns.worker_ssl_ca_certs, worker_ssl_certfile=ns.worker_ssl_certfile,
+        worker_ssl_keyfile=ns.worker_ssl_keyfile,
         max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
         max_n=ns.max_n, tokenizer_path=tokenizer_path, kv_events_stale_s=ns.kv_events_stale_s)
 

@@ -43,6 +43,9 @@ PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
+# Prompt + completion tokens of an answered request, as the nodes reported them; set on success
+# only (the handler settles the client's token bucket with it, router/clients.py).
+USAGE = web.RequestKey("usage", float)
 
 
 def error_body(status: int, message: str) -> dict:
@@ -203,6 +206,10 @@ class Forwarder:
                         out = rewrite_body(out, marks, final_in, p_answer, self._stage_observer(endpoint))
                         self._metrics.ttft.labels(endpoint).observe(time.monotonic() - t0)
                         resp = web.Response(body=out, status=200, content_type="application/json")
+                        with contextlib.suppress(ValueError):
+                            used = reported_usage(json.loads(out))
+                            if used is not None:
+                                request[USAGE] = used
                         return self._finish(endpoint, t0, resp)
             except TimeoutError:
                 msg = f"no complete answer within the router's request timeout ({self._cfg.request_timeout_s:g} s)"
@@ -318,6 +325,9 @@ class Forwarder:
             self._metrics.errors.labels(endpoint, reason).inc()
         else:
             self._metrics.recent.stream_ended(d.url, t_first, t_last, stream_tokens(tail, frames_sent - 1, sequences))
+            used = stream_usage(tail, sequences)
+            if used is not None:
+                request[USAGE] = used
         with contextlib.suppress(ClientGone, ConnectionError):
             if error is not None and reason != "client_gone":
                 await _write_to_client(resp, b"data: " + json.dumps(error_body(status, msg)).encode() + b"\n\n" + DONE)
@@ -358,6 +368,37 @@ def _judge(role: str, w: Worker, status: int, raw: bytes) -> dict | list | None 
         return Failure(f"{role} {w.url} refused the request ({status}): {msg}", False,
                        response=web.Response(body=raw, status=status, content_type="application/json"))
     return Failure(f"{role} {w.url} answered {status}: {msg}", True, (w,))
+
+
+def reported_usage(answer: object) -> float | None:
+    """Prompt + completion tokens a JSON answer reports (``usage`` on the OpenAI routes,
+    ``meta_info`` per sequence on /generate, summed over a list), or None where any is missing."""
+    if isinstance(answer, list):
+        parts = [reported_usage(a) for a in answer]
+        return None if not parts or any(p is None for p in parts) else float(sum(parts))  # type: ignore[arg-type]
+    if not isinstance(answer, dict):
+        return None
+    for key in ("usage", "meta_info"):
+        rec = answer.get(key)
+        if isinstance(rec, dict):
+            p, c = rec.get("prompt_tokens"), rec.get("completion_tokens")
+            if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, c)):
+                return float(p + c)  # type: ignore[operator]
+    return None
+
+
+def stream_usage(last_frames: bytes, sequences: int) -> float | None:
+    """Prompt + completion tokens of a finished stream: its last data frame's ``usage`` (OpenAI
+    with ``include_usage``: over every sequence), or its ``meta_info`` when there is one
+    sequence (/generate frames state their own sequence's count); else None (unknown)."""
+    data = [f for f in last_frames.split(b"\n\n") if f.startswith(b"data: ") and f != DONE.strip()]
+    try:
+        obj = json.loads(data[-1][6:]) if data else None
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or (not isinstance(obj.get("usage"), dict) and sequences != 1):
+        return None
+    return reported_usage(obj)
 
 
 def reported_cached_tokens(endpoint: str, answer: object) -> int | None:

@@ -118,6 +118,7 @@ class PrefillKVManager:
         room from a decode that holds it for another prompt is refused, never written to."""
         with self._lock:
             if room in self._rooms:
+                self._control.refused_sender_locked(room, prompt_digest)
                 raise RoomInUse("room is already in flight on this prefill rank", room)
             r = self._rooms.insert_locked(PrefillRoom(room, time.monotonic(), prompt_digest=prompt_digest))
             self._control.adopt_locked(r)  # TransferInfos that came first; a failure decided already

@@ -41,6 +41,12 @@ class PrefillControl:
         self._routes: dict[str, Route] = {}  # decode session -> what we write into it (same keys)
         self._rejected: dict[str, str] = {}  # decode session -> why its KV args were refused
         self._last_heard: dict[str, float] = {}  # decode session -> last message from it
+        # Halves of a shared room refused here, by (room, prompt digest) -> since when. The other
+        # half of such a pair can never be served: a sender whose decode was refused would wait
+        # out the bootstrap timeout for a TransferInfo that never comes (and a decode whose
+        # sender got 409, the orphan expiry), so it fails as soon as it shows up.
+        self._refused_infos: dict[tuple[int, str], float] = {}
+        self._refused_senders: dict[tuple[int, str], float] = {}
 
     # --- what the manager asks (lock held) -----------------------------------------------------
     def adopt_locked(self, r: PrefillRoom) -> None:
@@ -53,11 +59,24 @@ class PrefillControl:
                 if refused is None:
                     self._add_info_locked(r, info)
                 else:
+                    self._remember_refused_locked(self._refused_infos, info.room, info.prompt_digest)
                     self._push.send(info.status_endpoint, m.TransferStatus(
                         room=r.room, status=int(KVPoll.Failed), prefill_rank=self._rank, reason=refused))
         reason = self._rooms.take_tombstone_locked(r.room)
+        if reason is None and r.prompt_digest and self._refused_infos.pop((r.room, r.prompt_digest), None) is not None:
+            reason = (f"room {r.room}: the decode of this request was refused here before it arrived (the room "
+                      "was another request's): rooms must be unique per request")
         if reason is not None:
             self.fail_locked(r, reason)
+
+    def refused_sender_locked(self, room: int, prompt_digest: str) -> None:
+        """The manager refused a sender for a live ``room`` (409): a TransferInfo for the same
+        room and prompt that arrives later is that request's decode, and fails at once."""
+        self._remember_refused_locked(self._refused_senders, room, prompt_digest)
+
+    def _remember_refused_locked(self, table: dict[tuple[int, str], float], room: int, prompt_digest: str) -> None:
+        if prompt_digest:  # without a digest the pair cannot be told from another: the timeouts decide
+            table[(room, prompt_digest)] = time.monotonic()
 
     def peer_locked(self, session: str) -> m.KVArgsRegister | None:
         """The KV args a decode session registered (None: unknown, refused or forgotten)."""
@@ -75,6 +94,7 @@ class PrefillControl:
     def tables_locked(self) -> dict[str, list[Any]]:
         """What this part holds, for ``PrefillKVManager.tables``."""
         return {"orphans": sorted(self._orphans), "decodes": sorted(self._peers),
+                "refused": sorted({room for room, _ in (*self._refused_infos, *self._refused_senders)}),
                 "rejected": sorted(self._rejected), "heard": sorted(self._last_heard)}
 
     # --- bootstrap thread ----------------------------------------------------------------------
@@ -153,6 +173,10 @@ class PrefillControl:
             r = self._rooms.get(info.room)
             if r is None:
                 tomb = self._rooms.tombstone_reason_locked(info.room)
+                if (tomb is None and info.prompt_digest
+                        and self._refused_senders.pop((info.room, info.prompt_digest), None) is not None):
+                    tomb = (f"room {info.room}: the prefill request of this decode was refused here (the room was "
+                            "another request's): rooms must be unique per request")
                 if reason is None and tomb is None:  # the request has not reached this rank yet
                     _, infos = self._orphans.setdefault(info.room, (time.monotonic(), {}))
                     infos[info.session_id] = info
@@ -167,6 +191,7 @@ class PrefillControl:
                 # Another request's room (same id, other prompt or other decode): this decode
                 # is told; the room, its own decode and its pages are left alone.
                 log.warning("room %d: refusing decode %s: %s", info.room, info.session_id, refused)
+                self._remember_refused_locked(self._refused_infos, info.room, info.prompt_digest)
                 reason, unregistered = refused, False
             else:
                 already_told = r.status is KVPoll.Failed and r.failure_sent
@@ -217,6 +242,9 @@ class PrefillControl:
                     del self._orphans[room]
                     expired.extend((room, i) for i in infos.values())
             self._rooms.expire_tombstones_locked(now)
+            for table in (self._refused_infos, self._refused_senders):
+                for key in [k for k, since in table.items() if now - since > timeout]:
+                    del table[key]
             idle = self._idle_peers_locked(now)
         for peer in idle:
             log.info("forgetting decode %s: silent for %gs", peer.session_id, self._config.idle_peer_purge_s)

@@ -87,6 +87,9 @@ class TransferWorker:
         self.bytes_written = 0
         stop_rank = envs.FAULT_STOP_RANK.get()  # fault injection; -1: off
         self._stop_room = envs.FAULT_STOP_BEFORE_WRITE_ROOM.get() if stop_rank in (-1, args.tp_rank) else -1
+        # Writes of that room to let through first: with one descriptor per engine call, a test
+        # stops the prefill mid-room, some pages landed on the decode and the aux row not yet.
+        self._stop_after = envs.FAULT_STOP_AFTER_WRITES.get()
 
     def put(self, chunk: Chunk) -> None:
         self._queue.put(chunk)
@@ -182,7 +185,9 @@ class TransferWorker:
                 n += len(piece)
             if not batch:
                 return
-            if self._stop_room in rooms:
+            if self._stop_room in rooms and self._stop_after > 0:
+                self._stop_after -= 1
+            elif self._stop_room in rooms:
                 log.warning("fault injection: stopping this process before writing room %d", self._stop_room)
                 self._stop_room = -1  # once: the test resumes us with SIGCONT
                 os.kill(os.getpid(), signal.SIGSTOP)

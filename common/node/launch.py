@@ -94,6 +94,11 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s,
                    help=f"a request body not in this long after its head is a 408 {d}")
     p.add_argument("--max-n", type=int, default=ServerConfig.max_n, help=f"most samples (n) per prompt {d}")
+    p.add_argument("--ssl-certfile", metavar="PATH", help="serve HTTPS with this certificate (chain) in PEM")
+    p.add_argument("--ssl-keyfile", metavar="PATH", help="its private key in PEM (default: inside --ssl-certfile)")
+    p.add_argument("--ssl-ca-certs", metavar="PATH",
+                   help="require a client certificate signed by these CAs (mutual TLS: the router's "
+                        "--worker-ssl-certfile); needs --ssl-certfile")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=TransferConfig.bootstrap_port,
                    help=f"prefill: embedded bootstrap server port; decode: port assumed when a request names none {d}")
     p.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=("mooncake", "fake"), help=d)
@@ -162,7 +167,8 @@ def transfer_config(ns: argparse.Namespace) -> TransferConfig:
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=ns.host, port=ns.port, max_payload_size=ns.max_payload_size,
-                        header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s, max_n=ns.max_n)
+                        header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s, max_n=ns.max_n,
+                        ssl_certfile=ns.ssl_certfile, ssl_keyfile=ns.ssl_keyfile, ssl_ca_certs=ns.ssl_ca_certs)
 
 
 def attention_config(ns: argparse.Namespace) -> AttentionConfig:

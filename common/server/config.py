@@ -46,6 +46,10 @@ class ApiConfig:
     accept_bearer_secret: bool = False
     # The scheduler's grammar backend: specs are checked against it at parse time ("none": 400).
     grammar_backend: str = "llguidance"
+    # HTTPS; with ssl_ca_certs a client certificate signed by it is required (common/config.ServerConfig).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -91,6 +95,9 @@ class ApiConfig:
             header_timeout_s=cfg.server.header_timeout_s,
             body_timeout_s=cfg.server.body_timeout_s,
             max_n=cfg.server.max_n,
+            ssl_certfile=cfg.server.ssl_certfile,
+            ssl_keyfile=cfg.server.ssl_keyfile,
+            ssl_ca_certs=cfg.server.ssl_ca_certs,
             bootstrap_port=cfg.transfer.bootstrap_port,
             cluster_secret=cfg.transfer.cluster_secret,
             accept_bearer_secret=cfg.transfer.accept_bearer_secret,

@@ -7,6 +7,7 @@ no API-only entry point: tests/integration/_api_process.py calls ``run_api_serve
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Callable
 
 import uvicorn
@@ -60,5 +61,10 @@ def run_api_server(cfg: ApiConfig, endpoints: IpcEndpoints, tokenizer: Tokenizer
     # access_log off: one line per request costs more than the request on a tiny model. A bounded
     # graceful shutdown: a long stream must not keep a stopping node alive. uvicorn has no header
     # timeout of its own (a slowloris client held a connection forever): the protocol adds one.
+    # TLS: uvicorn's own; with a CA the handshake refuses a client without a certificate it
+    # signed, before any route (/health included) sees a byte.
+    tls = {} if cfg.ssl_certfile is None else {
+        "ssl_certfile": cfg.ssl_certfile, "ssl_keyfile": cfg.ssl_keyfile, "ssl_ca_certs": cfg.ssl_ca_certs,
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if cfg.ssl_ca_certs else ssl.CERT_NONE}
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=level, access_log=False, timeout_keep_alive=60,
-                timeout_graceful_shutdown=5, http=head_timeout_protocol(AutoHTTPProtocol, cfg.header_timeout_s))
+                timeout_graceful_shutdown=5, http=head_timeout_protocol(AutoHTTPProtocol, cfg.header_timeout_s), **tls)

@@ -38,13 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--header-timeout-s", type=float, default=ApiConfig.header_timeout_s)
     p.add_argument("--body-timeout-s", type=float, default=ApiConfig.body_timeout_s)
     p.add_argument("--max-n", type=int, default=ApiConfig.max_n)
+    p.add_argument("--ssl-certfile")
+    p.add_argument("--ssl-keyfile")
+    p.add_argument("--ssl-ca-certs")
     args = p.parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ApiConfig.for_model_dir(args.role, args.model_path, port=args.port,
                                   bootstrap_port=args.disaggregation_bootstrap_port,
                                   health_generate_timeout_s=args.health_generate_timeout,
                                   max_payload_size=args.max_payload_size, header_timeout_s=args.header_timeout_s,
-                                  body_timeout_s=args.body_timeout_s, max_n=args.max_n)
+                                  body_timeout_s=args.body_timeout_s, max_n=args.max_n,
+                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                                  ssl_ca_certs=args.ssl_ca_certs)
     alive = pid_alive(args.scheduler_pid) if args.scheduler_pid else None
     run_api_server(cfg, IpcEndpoints(args.to_scheduler, args.from_scheduler), scheduler_alive=alive)
     return 0

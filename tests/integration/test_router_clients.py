@@ -167,3 +167,82 @@ def test_a_request_larger_than_a_minutes_worth_goes_once_the_bucket_is_full_and_
     assert wait == pytest.approx(99.0)  # 10 more tokens need the debt paid first
     assert clients.take(big, "tokens", 10.0, now=100.0) == 0.0
     assert clients.take(big, "tokens", 150.0, now=101.0) == pytest.approx(59.0)  # level 1: waits for a full bucket
+
+
+def test_settling_refunds_and_charges_within_the_buckets_rules() -> None:
+    """A fake clock (``now``): the estimate taken at admission is settled against the usage."""
+    from router.clients import Clients, ClientSpec
+
+    clients = Clients()
+    c = ClientSpec("c", tokens_per_min=60.0)  # one token a second
+    assert clients.take(c, "tokens", 50.0, now=0.0) == 0.0  # level 10
+    clients.settle(c, "tokens", charged=50.0, used=20.0, now=0.0)  # 30 back: level 40
+    assert clients.take(c, "tokens", 40.0, now=0.0) == 0.0
+    assert clients.take(c, "tokens", 1.0, now=0.0) == pytest.approx(1.0)  # empty: a second for one token
+    clients.settle(c, "tokens", charged=40.0, used=0.0, now=10.0)  # refilled to 10, +40 back: full at 50
+    assert clients.take(c, "tokens", 50.0, now=10.0) == 0.0
+    clients.settle(c, "tokens", charged=10.0, used=1000.0, now=10.0)  # a charge stops at a minute of debt
+    assert clients.take(c, "tokens", 1.0, now=10.0) == pytest.approx(61.0)  # level -60, not -990
+    clients.settle(c, "tokens", charged=0.0, used=0.0, now=200.0)  # nothing to settle
+    clients.settle(c, "tokens", charged=1000.0, used=0.0, now=200.0)  # a refund never overfills
+    assert clients.take(c, "tokens", 60.0, now=200.0) == 0.0
+    assert clients.take(c, "tokens", 1.0, now=200.0) > 0
+    unlimited = ClientSpec("u")
+    clients.settle(unlimited, "tokens", charged=10.0, used=0.0, now=0.0)  # no bucket: nothing happens
+
+
+def test_reported_usage_and_stream_usage() -> None:
+    from router.forward import reported_usage, stream_usage
+
+    assert reported_usage({"usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}) == 10
+    assert reported_usage({"meta_info": {"prompt_tokens": 4, "completion_tokens": 2}}) == 6
+    assert reported_usage([{"meta_info": {"prompt_tokens": 4, "completion_tokens": 2}}] * 2) == 12
+    assert reported_usage([{"meta_info": {"prompt_tokens": 4}}]) is None
+    assert reported_usage({"meta_info": {"prompt_tokens": True, "completion_tokens": 2}}) is None
+    assert reported_usage([]) is None and reported_usage("x") is None
+    frame = b'data: {"meta_info": {"prompt_tokens": 4, "completion_tokens": 5}}\n\ndata: [DONE]\n\n'
+    assert stream_usage(frame, 1) == 9
+    assert stream_usage(frame, 2) is None  # one sequence's count, not the request's
+    usage = b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 10}}\n\ndata: [DONE]\n\n'
+    assert stream_usage(usage, 2) == 14
+    assert stream_usage(b'data: {"choices": []}\n\ndata: [DONE]\n\n', 1) is None
+    assert stream_usage(b"data: [DONE]\n\n", 1) is None
+
+
+async def usage_decode(fake, request, body):  # type: ignore[no-untyped-def]
+    """Reports 2 prompt + 3 completion tokens, or 500 prompt tokens for input_ids [9, 9]; 400 for [4, 4]."""
+    from aiohttp import web
+
+    if body.get("input_ids") == [4, 4]:
+        return web.json_response({"error": {"message": "bad input", "code": 400}}, status=400)
+    meta = {"id": "d", "prompt_tokens": 500 if body.get("input_ids") == [9, 9] else 2, "completion_tokens": 3}
+    if not body.get("stream"):
+        return web.json_response({"text": "abc", "output_ids": [1, 2, 3], "meta_info": meta})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b"data: " + json.dumps({"output_ids": [1, 2, 3], "meta_info": meta}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def test_token_buckets_are_settled_with_the_usage_the_nodes_report(tmp_path: Path) -> None:
+    """carol (100 tokens/min) asks for up to 40 new tokens each time (~60 estimated): without
+    settling, the second request is a 429; settled against 5 used tokens, five go in a row,
+    streamed or not, and so do failed ones (refunded in full). A request that reports more than
+    estimated leaves her in debt: the next one is a 429."""
+    async def body() -> None:
+        async with router_over([ok_prefill], [usage_decode], "--keys-file", keys(tmp_path / "keys.json"),
+                               headers=bearer(OPS)) as c, aiohttp.ClientSession() as s:
+            small = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 40}}
+            for i in range(5):
+                status, out, _ = await call(s, c.url, CAROL, body={**small, "stream": i % 2 == 1})
+                assert status == 200, (i, out)
+            for _ in range(2):
+                status, _, _ = await call(s, c.url, CAROL, body={**small, "input_ids": [4, 4]})
+                assert status == 400
+            assert (await call(s, c.url, CAROL, body=small))[0] == 200
+            assert (await call(s, c.url, CAROL, body={**small, "input_ids": [9, 9]}))[0] == 200  # 503 used
+            status, out, headers = await call(s, c.url, CAROL, body=small)
+            assert status == 429 and int(headers["Retry-After"]) > 60, (out, headers)  # a minute of debt first
+
+    asyncio.run(body())

@@ -308,3 +308,25 @@ def test_api_config_from_node_config(tiny_qwen3: str) -> None:
     assert api.architectures == ("Qwen3ForCausalLM",) and api.server_info_extra["page_size"] == 16
     node = NodeConfig(role="decode", model=ModelConfig(model_path=tiny_qwen3, context_length=512))
     assert ApiConfig.from_node_config(node).context_length == 512
+
+
+def test_node_tls_flags_reach_the_api_config(tiny_qwen3: str, tmp_path: Any) -> None:
+    """--ssl-certfile/--ssl-keyfile/--ssl-ca-certs go from the node's flags to uvicorn's config;
+    a key or CA without a certificate, or a file that is not there, is a ConfigError."""
+    from common.config import ConfigError, ModelConfig, NodeConfig, ServerConfig
+    from common.node.launch import server_config
+
+    cert, key, ca = (tmp_path / n for n in ("c.pem", "k.pem", "ca.pem"))
+    for f in (cert, key, ca):
+        f.write_text("x")
+    ns = type("NS", (), dict(host="127.0.0.1", port=31000, max_payload_size=None, header_timeout_s=20.0,
+                             body_timeout_s=60.0, max_n=8, ssl_certfile=str(cert), ssl_keyfile=str(key),
+                             ssl_ca_certs=str(ca)))()
+    server = server_config(ns)  # type: ignore[arg-type]
+    server.validate()
+    api = ApiConfig.from_node_config(NodeConfig(role="decode", model=ModelConfig(model_path=tiny_qwen3), server=server))
+    assert (api.ssl_certfile, api.ssl_keyfile, api.ssl_ca_certs) == (str(cert), str(key), str(ca))
+    with pytest.raises(ConfigError, match="need --ssl-certfile"):
+        ServerConfig(ssl_ca_certs=str(ca)).validate()
+    with pytest.raises(ConfigError, match="no such file"):
+        ServerConfig(ssl_certfile=str(tmp_path / "missing.pem")).validate()

@@ -433,3 +433,49 @@ def test_a_transfer_info_that_came_first_is_checked_against_the_prompt_too(clust
     assert sender.poll() is KVPoll.Bootstrapping
     sender.abort("test over")
     until_terminal(sender)
+
+
+def test_the_other_half_of_a_refused_shared_room_fails_at_once(cluster: Cluster) -> None:
+    """A decode refused for a live room (another prompt's) pairs with a prefill request that may
+    arrive once that room is done: it fails at once, not after the bootstrap timeout. Likewise a
+    decode whose prefill request got 409 fails at once, not after the orphan expiry."""
+    from transfer.messages import prompt_digest
+
+    pm, _ = cluster.prefill()
+    dm, _ = cluster.decode()
+    dm2, _ = cluster.decode()
+    a, b = prompt_digest([1, 1]), prompt_digest([2, 2])
+
+    def serve(room: int) -> None:
+        """The winner (prompt b) completes on dm2 and is released: no tombstone is left."""
+        recv = dm2.create_receiver(room, ADDR)
+        wait_for(lambda: recv.poll() is KVPoll.WaitingForInput)
+        recv.init([3], aux_slot=0, prompt_digest=b)
+        wait_for(lambda: winner.poll() is KVPoll.WaitingForInput)
+        winner.send([4], last_chunk=True, aux=AuxRecord(room=0, token_id=3, cached_tokens=0))
+        assert until_terminal(winner)[0] is KVPoll.Success and until_terminal(recv)[0] is KVPoll.Success
+        assert room not in pm.tables()["rooms"] and room not in pm.tables()["tombstones"]
+
+    winner = pm.create_sender(61, prompt_digest=b)
+    loser = dm.create_receiver(61, ADDR)
+    wait_for(lambda: loser.poll() is KVPoll.WaitingForInput)
+    loser.init([1], aux_slot=0, prompt_digest=a)
+    assert until_terminal(loser)[0] is KVPoll.Failed and "another request's" in (loser.failure_reason or "")
+    serve(61)
+    late = pm.create_sender(61, prompt_digest=a)  # the loser's own prefill request, late
+    st, took = until_terminal(late, timeout=3)
+    assert st is KVPoll.Failed and "was refused here" in (late.failure_reason or ""), late.failure_reason
+    assert took < CFG.bootstrap_timeout_s / 2, took
+
+    winner = pm.create_sender(62, prompt_digest=b)
+    with pytest.raises(TransferError):
+        pm.create_sender(62, prompt_digest=a)  # 409 for the other request's prefill half
+    serve(62)
+    late_decode = dm.create_receiver(62, ADDR)  # that request's decode, once 62 is done
+    wait_for(lambda: late_decode.poll() is KVPoll.WaitingForInput)
+    t0 = time.monotonic()
+    late_decode.init([2], aux_slot=0, prompt_digest=a)
+    st, _ = until_terminal(late_decode, timeout=3)
+    assert st is KVPoll.Failed and "was refused here" in (late_decode.failure_reason or ""), late_decode.failure_reason
+    assert time.monotonic() - t0 < CFG.bootstrap_timeout_s / 2
+    wait_for(lambda: not pm.tables()["refused"], timeout=3)  # forgotten after the bootstrap timeout
