@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz grammar-acceptance clean
 
 setup: $(VENV)/.installed
 
@@ -77,6 +77,13 @@ soak: setup
 FUZZ_EXAMPLES ?= 500
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/e2e/test_fuzz_http.py tests/unit/test_fuzz_control_plane.py
+
+# Structured-output acceptance (tests/e2e/grammar_schemas.py): GRAMMAR_REQUESTS requests over 20
+# JSON schemas on each topology (2P2D behind our router, a 1P1D pair, sglang-router).
+GRAMMAR_REQUESTS ?= 200
+grammar-acceptance: setup router-venv
+	GRAMMAR_REQUESTS=$(GRAMMAR_REQUESTS) $(BIN)/python -m pytest -q tests/e2e/test_structured_pd.py \
+		tests/e2e/test_sglang_router.py -k structured tests/e2e/test_router_cluster.py::test_structured_outputs_validate_and_greedy_match_hf
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools
