@@ -427,25 +427,37 @@ TOOLS = [
 ]
 
 
+def streamed_tool_calls(r: Routed, **body: Any) -> tuple[Any, list[str]]:
+    """A streamed chat request through the openai client's own stream helper: (the completion it
+    assembles from the deltas, the argument fragments it received)."""
+    fragments = []
+    with r.client().chat.completions.stream(model=r.model, **body) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
+        return stream.get_final_completion(), fragments
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_structured_tool_choice_returns_valid_arguments(routed: Routed, choice: Any) -> None:
+    """Valid arguments, streamed and not; the streamed calls (name first, then argument fragments,
+    as OpenAI streams them) assemble in the openai client to the non-streamed ones."""
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for stream in (False, True):
-        resp = routed.client().chat.completions.create(
-            model=routed.model, messages=[{"role": "user", "content": "what is the weather in Oslo?"}], tools=TOOLS,
-            tool_choice=choice, parallel_tool_calls=False, max_tokens=200, temperature=0, stream=stream)  # type: ignore[arg-type]
-        if stream:
-            chunks = [c for c in resp if c.choices]
-            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-            finish = chunks[-1].choices[0].finish_reason
-            content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        else:
-            msg = resp.choices[0].message
-            calls, finish, content = msg.tool_calls or [], resp.choices[0].finish_reason, msg.content or ""
-        assert finish == "tool_calls" and len(calls) == 1 and content == "", (stream, finish, calls, content)
+    body = {"messages": [{"role": "user", "content": "what is the weather in Oslo?"}], "tools": TOOLS,
+            "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    whole = routed.client().chat.completions.create(model=routed.model, **body)  # type: ignore[arg-type]
+    streamed, fragments = streamed_tool_calls(routed, **body)
+    for resp in (whole, streamed):
+        msg = resp.choices[0].message
+        calls, finish, content = msg.tool_calls or [], resp.choices[0].finish_reason, msg.content or ""
+        assert finish == "tool_calls" and len(calls) == 1 and content == "", (finish, calls, content)
         name = calls[0].function.name
         assert name in params and (choice == "required" or name == choice["function"]["name"])
         jsonschema.validate(json.loads(calls[0].function.arguments), params[name])
+    assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+    # How many fragments depends on how the stream coalesces tokens (timing); they add up to the call.
+    assert "".join(fragments) == (whole.choices[0].message.tool_calls or [])[0].function.arguments
     routed.wait_idle()
 
 
