@@ -11,6 +11,11 @@ checks, the HF comparison) live in ``tests/e2e/cluster.py``.
                  (process groups killed) when the module is done with it. The llama pair's
                  decode streams every 3 tokens (--stream-interval 3), so every streamed check in
                  those tests also runs on multi-token chunks
+    scripted_routed  our router over a prefill + a decode node on a *scripted* tiny qwen3
+                 (``make-tiny-model --script TOOL_CALL_SCRIPT``: after any chat prompt its greedy
+                 output is a Hermes tool call, then EOS; any other context gives random tokens),
+                 one for the session, shared by test_fuzz_http (whose oracle never reads what the
+                 model says) and test_tool_call_auto (which needs a model that writes a call)
 """
 from __future__ import annotations
 
@@ -18,7 +23,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from common.tools.local_cluster import LocalCluster
 from tests.e2e.cluster import Cluster, running_cluster
+
+# The tool call the scripted checkpoint writes, one added token per chunk (tests/e2e/test_tool_call_auto.py).
+TOOL_CALL_SCRIPT = ("<tool_call>\n", '{"name": ', '"get_time"', ', "arguments": ', '{"tz": ', '"CET"', "}}",
+                    "\n</tool_call>")
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +44,23 @@ def pd_cluster(request: pytest.FixtureRequest, tiny_model_factory: Callable[...,
         return
     with running_cluster(tiny_model_factory(request.param), decode_args=["--stream-interval", "3"]) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def scripted_routed(tiny_model_factory: Callable[..., str],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, str]]:
+    """(the cluster, the router's URL); the short bootstrap/waiting timeouts are test_fuzz_http's
+    (a fuzzed body with bootstrap fields pointing nowhere must fail fast)."""
+    c = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-scripted-e2e")),
+                     env={"PDC_BOOTSTRAP_TIMEOUT_S": "3", "PDC_WAITING_TIMEOUT_S": "5"})
+    try:
+        url = c.start(tiny_model_factory("qwen3", script=TOOL_CALL_SCRIPT), backend="mooncake", num_prefill=1,
+                      num_decode=1, router="ours", router_args=["--request-timeout-s", "20", "--health-check-interval-s", "1"],
+                      startup_timeout_s=180)
+        assert url is not None
+        yield c, url
+    except BaseException:
+        print(c.log_tails(40))
+        raise
+    finally:
+        c.stop()
