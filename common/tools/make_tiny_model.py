@@ -31,7 +31,7 @@ built-in text stops at ~1100 tokens whatever the target, and config.json always 
 tokenizer reached (every id the model can emit decodes), presets included. Explicit overrides
 win over the preset; ``--dtype bfloat16`` stores the weights (and ``torch_dtype``) in bfloat16.
 
-``--script CHUNK ...`` (qwen3, llama, qwen2) writes a *scripted* checkpoint instead: each chunk
+``--script CHUNK`` (repeated; qwen3, llama, qwen2) writes a *scripted* checkpoint instead: each chunk
 becomes one added (non-special) token, and the weights make greedy decoding after any chat prompt
 (one ending in the assistant turn's ``\n``) emit the chunks in order, then ``<|im_end|>``: the
 attention and MLP outputs are zero, so each step's logits depend on the current token alone, and
@@ -536,8 +536,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a real model's dimensions (the vocabulary stays the tiny tokenizer's)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
-    parser.add_argument("--script", nargs="+", default=None, metavar="CHUNK",
-                        help="a scripted checkpoint: greedy output after a chat prompt is these chunks, then EOS")
+    parser.add_argument("--script", action="append", default=None, metavar="CHUNK",
+                        help="repeated: a scripted checkpoint, whose greedy answer to a chat prompt is these "
+                             "chunks in order, then EOS")
     for key, what in SIZE_FLAGS.items():
         parser.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None, metavar="N",
                             help=f"config.json {key}: {what}")
