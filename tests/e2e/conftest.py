@@ -24,11 +24,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from common.tools.local_cluster import LocalCluster
-from tests.e2e.cluster import Cluster, running_cluster
-
-# The tool call the scripted checkpoint writes, one added token per chunk (tests/e2e/test_tool_call_auto.py).
-TOOL_CALL_SCRIPT = ("<tool_call>\n", '{"name": ', '"get_time"', ', "arguments": ', '{"tz": ', '"CET"', "}}",
-                    "\n</tool_call>")
+from tests.e2e.cluster import TOOL_CALL_SCRIPT, Cluster, running_cluster
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,7 @@ import httpx
 import pytest
 
 from common.tools.local_cluster import LocalCluster
-from tests.e2e.cluster import wait_idle
-from tests.e2e.conftest import TOOL_CALL_SCRIPT
+from tests.e2e.cluster import TOOL_CALL_SCRIPT, wait_idle
 
 openai = pytest.importorskip("openai")
 
