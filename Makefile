@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz shared-room clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz shared-room grammar-acceptance clean
 
 setup: $(VENV)/.installed
 
@@ -82,6 +82,13 @@ fuzz: setup
 SHARED_ROOM_TRIALS ?= 200
 shared-room: setup
 	SHARED_ROOM_TRIALS=$(SHARED_ROOM_TRIALS) $(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e/test_shared_room.py
+
+# Structured-output acceptance (tests/e2e/grammar_schemas.py): GRAMMAR_REQUESTS requests over 20
+# JSON schemas on each topology (2P2D behind our router, a 1P1D pair, sglang-router).
+GRAMMAR_REQUESTS ?= 200
+grammar-acceptance: setup router-venv
+	GRAMMAR_REQUESTS=$(GRAMMAR_REQUESTS) $(BIN)/python -m pytest -q tests/e2e/test_structured_pd.py \
+		tests/e2e/test_sglang_router.py -k structured tests/e2e/test_router_cluster.py::test_structured_outputs_validate_and_greedy_match_hf
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools

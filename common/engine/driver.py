@@ -14,6 +14,11 @@ broadcast and replace the others' (``_agree``). Equal logits are not enough: an 
 sampled row draws from a generator seeded from the OS, different on every rank, and the ranks'
 schedulers must append the same token to stay in step. Logprobs stay each rank's own (only rank
 0 reports them). tp = 1 skips the broadcast.
+
+Grammar masks overlap the forward: ``run_decode`` starts the constrained rows' bitmask on the
+sampler's mask thread before the forward (llguidance computes it with the GIL released) and the
+sampler waits for it after; the driver waits for it on every path before returning, because the
+scheduler advances those matchers next.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
-from common.engine.sampler import SampledToken, Sampler, needs_penalties
+from common.engine.sampler import PendingMask, SampledToken, Sampler, needs_penalties
 from common.grammar.backend import Matcher
 from common.request import SamplingParams
 
@@ -64,10 +69,19 @@ class EngineDriver:
     def run_decode(self, items: Sequence[DecodeItem], specs: Sequence[SampleSpec]) -> list[SampledToken]:
         if len(items) != len(specs):
             raise ValueError(f"{len(items)} decode items but {len(specs)} sample specs")
-        logits = self.runner.decode(items)  # [B, vocab]
-        return [t for t in self._sample(logits, specs) if t is not None]
+        # The constrained rows' masks are computed on the sampler's mask thread during the forward:
+        # their matchers already hold every token emitted so far (common/grammar/state.py).
+        mask = self.sampler.start_grammar_mask([s.grammar for s in specs]) if any(
+            s.grammar is not None for s in specs) else None
+        try:
+            logits = self.runner.decode(items)  # [B, vocab]
+            return [t for t in self._sample(logits, specs, mask) if t is not None]
+        finally:
+            if mask is not None:
+                mask.settle()  # on every path: the scheduler advances these matchers next
 
-    def _sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]:
+    def _sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec | None],
+                grammar_mask: PendingMask | None = None) -> list[SampledToken | None]:
         if specs and all(s is not None and s.plain_greedy for s in specs):
             # What Sampler.sample computes for such rows (argmax of the raw logits), without its
             # per-row parameter lists.
@@ -88,6 +102,7 @@ class EngineDriver:
             [s.output_ids for s in chosen],  # type: ignore[union-attr]
             [s.prompt_ids or [] for s in chosen] if need_prompt else None,  # type: ignore[union-attr]
             [s.grammar for s in chosen] if any(s.grammar is not None for s in chosen) else None,  # type: ignore[union-attr]
+            grammar_mask if len(keep) == len(specs) else None,  # started over all specs (run_decode)
         )
         sampled.token_ids = self._agree(sampled.token_ids)
         for i, tok in zip(keep, sampled.tolist()):

@@ -34,6 +34,7 @@ token ``i`` with probability ``p_i`` (the minimum of ``q_i / p_i`` is Exp-distri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,24 @@ def filter_probs(
     return torch.zeros_like(probs).scatter_(1, order, probs)  # back to vocabulary order
 
 
+@dataclass
+class PendingMask:
+    """The allowed-token bitmask of a batch's constrained rows, being filled on the sampler's mask
+    thread (``Sampler.start_grammar_mask``) while the forward runs."""
+
+    rows: list[int]  # batch rows that carry a matcher, in bitmask order
+    bitmask: torch.Tensor  # int32 [G, ceil(V/32)]
+    future: Future[None]
+
+    def result(self) -> torch.Tensor:
+        self.future.result()  # re-raises what the backend raised
+        return self.bitmask
+
+    def settle(self) -> None:
+        """Wait without raising: the matchers must not move while the backend still reads them."""
+        wait([self.future])
+
+
 class Sampler:
     """Stateless apart from the generator unseeded rows draw from.
 
@@ -210,6 +229,7 @@ class Sampler:
         self._grammar = grammar
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[torch.device, torch.Generator] = {}
+        self._mask_pool: ThreadPoolExecutor | None = None  # started with the first overlapped mask
 
     def _shared_gen(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
@@ -230,6 +250,23 @@ class Sampler:
         gen.manual_seed(seed)
         return gen
 
+    def start_grammar_mask(self, grammars: Sequence[Matcher | None]) -> PendingMask | None:
+        """Start filling the bitmask of the rows that carry a matcher on a worker thread and return
+        at once, so the masks are computed while the forward runs (the backend releases the GIL;
+        a decode step's matchers are final before its forward). ``sample(..., grammar_mask=)``
+        waits for it. The caller must not advance these matchers before it has waited (``settle``
+        on every path). None when no row carries a matcher."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return None
+        if self._grammar is None:
+            raise RuntimeError("a request carries a grammar but this sampler has no grammar backend")
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        bitmask = torch.zeros(len(rows), bitmask_width(self._grammar.vocab_size), dtype=torch.int32)  # [G, W]
+        pairs = [(grammars[i], j) for j, i in enumerate(rows)]
+        return PendingMask(rows, bitmask, self._mask_pool.submit(self._grammar.fill_bitmask, pairs, bitmask))  # type: ignore[arg-type]
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -237,6 +274,7 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
         prompt_ids: Sequence[Sequence[int]] | None = None,
         grammars: Sequence[Matcher | None] | None = None,
+        grammar_mask: PendingMask | None = None,
     ) -> SampleOutput:
         """Pick one token per row.
 
@@ -244,7 +282,8 @@ class Sampler:
         request generated so far (its length is the step number seeds are mixed with, and the
         frequency/presence penalties count them). ``prompt_ids`` is needed only when some row
         has a repetition penalty. ``grammars[i]``, when not None, is row i's matcher, already
-        advanced by ``output_ids[i]``: only tokens it allows can be picked.
+        advanced by ``output_ids[i]``: only tokens it allows can be picked. ``grammar_mask``: their
+        bitmask, already started (``start_grammar_mask`` over the same ``grammars``).
         """
         bsz, vocab = logits.shape
         if len(params) != bsz or len(output_ids) != bsz:
@@ -264,7 +303,7 @@ class Sampler:
         if any(len(o) < p.min_new_tokens for p, o in zip(params, output_ids)):
             logits = self._mask_ends(logits, params, output_ids)  # [B, V]
         if grammars is not None and any(g is not None for g in grammars):
-            logits = self._mask_grammar(logits, grammars)  # [B, V]
+            logits = self._mask_grammar(logits, grammars, grammar_mask)  # [B, V]
         if all(greedy):
             token_ids = torch.argmax(logits, dim=-1)  # [B] int64; fast path, nothing else runs
         else:
@@ -305,11 +344,13 @@ class Sampler:
         out[r, c] = float("-inf")
         return out
 
-    def _mask_grammar(self, logits: torch.Tensor, grammars: Sequence[Matcher | None]) -> torch.Tensor:
+    def _mask_grammar(self, logits: torch.Tensor, grammars: Sequence[Matcher | None],
+                      pending: PendingMask | None = None) -> torch.Tensor:
         """-inf at every token a row's matcher refuses; rows without one are unchanged.
 
         One bitmask for all constrained rows, filled by the backend in one call (its threads work
-        on the rows in parallel), unpacked and applied as one masked_fill. A row whose mask
+        on the rows in parallel; on a decode step started before the forward, ``pending``),
+        unpacked and applied as one masked_fill. A row whose mask
         allows nothing keeps only -inf: its argmax is a token the matcher then refuses, which the
         scheduler reports as a dead end. logits: [B, V] float32.
         """
@@ -319,8 +360,12 @@ class Sampler:
         if vocab != self._grammar.vocab_size:
             raise RuntimeError(f"logits have {vocab} columns; the grammar backend was built for {self._grammar.vocab_size}")
         rows = [i for i, g in enumerate(grammars) if g is not None]
-        bitmask = torch.zeros(len(rows), bitmask_width(vocab), dtype=torch.int32)  # [G, W]
-        self._grammar.fill_bitmask([(grammars[i], j) for j, i in enumerate(rows)], bitmask)  # type: ignore[misc]
+        if pending is not None:
+            assert pending.rows == rows, "the started mask is for other rows"
+            bitmask = pending.result()  # [G, W]
+        else:
+            bitmask = torch.zeros(len(rows), bitmask_width(vocab), dtype=torch.int32)  # [G, W]
+            self._grammar.fill_bitmask([(grammars[i], j) for j, i in enumerate(rows)], bitmask)  # type: ignore[misc]
         allowed = allowed_from_bitmask(bitmask.to(logits.device), vocab)  # [G, V] bool
         idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [G]
         out = logits.clone()  # [B, V]

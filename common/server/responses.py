@@ -12,7 +12,7 @@ import msgspec
 
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest
-from common.server.tools import extract_tool_calls, stream_safe_len
+from common.server.tools import call_prefixes, extract_tool_calls, new_call_id, stream_safe_len
 from common.server.textio import TokenizerLike, token_piece
 
 DONE = b"data: [DONE]\n\n"
@@ -169,6 +169,8 @@ class StreamShaper:
         self._role_sent: set[int] = set()
         self._text_offset: dict[int, int] = {}
         self._content_sent: dict[int, int] = {}  # chat with tools: characters of s.text sent as content
+        # chat with tools: per sequence, the calls begun in the stream (characters of arguments sent each)
+        self._calls_sent: dict[int, list[int]] = {}
 
     def _openai(self, choice: dict) -> bytes:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -215,24 +217,52 @@ class StreamShaper:
 
     def _tool_delta(self, s: SubState, reason: str | None) -> tuple[dict, str | None]:
         """A chat stream with tools: content goes out up to where a tool call starts or may start
-        (``stream_safe_len``); at the end the calls go out as one ``tool_calls`` delta (each call
-        whole: name and complete arguments) and the finish reason becomes ``tool_calls``."""
+        (``stream_safe_len``); each call goes out as it is written, as OpenAI streams them: a
+        delta with its index, id and name once the name is complete, then its arguments' text in
+        fragments (``call_prefixes``). At the end the calls parsed from the whole answer (the
+        non-streamed ``tool_calls``) complete what was sent, and the finish reason becomes
+        ``tool_calls``. A call the answer leaves malformed (cut by max_tokens, an unknown second
+        function) is not taken back: its text is not also sent as content."""
         assert self.req.tools is not None
         idx = s.sub.index
         sent = self._content_sent.get(idx, 0)
+        begun = self._calls_sent.setdefault(idx, [])
+        out: dict = {}
         if not s.finished:
             upto = stream_safe_len(s.text, self.req.tools)
             self._content_sent[idx] = max(sent, upto)
-            return ({"content": s.text[sent:upto]} if upto > sent else {}), reason
+            if upto > sent:
+                out["content"] = s.text[sent:upto]
+            deltas = []
+            for k, call in enumerate(call_prefixes(s.text, self.req.tools)):
+                if k == len(begun):  # its name is complete: the call's first delta
+                    begun.append(len(call.args))
+                    deltas.append({"index": k, "id": new_call_id(), "type": "function",
+                                   "function": {"name": call.name, "arguments": call.args}})
+                elif len(call.args) > begun[k]:
+                    deltas.append({"index": k, "function": {"arguments": call.args[begun[k]:]}})
+                    begun[k] = len(call.args)
+            if deltas:
+                out["tool_calls"] = deltas
+            return out, reason
         content, calls = _tool_answer(self.req, s)
         self._content_sent[idx] = len(s.text)
         if not calls:
-            return ({"content": s.text[sent:]} if len(s.text) > sent else {}), reason
-        out: dict = {}
+            if not begun and len(s.text) > sent:
+                out["content"] = s.text[sent:]
+            return out, reason
         # What was streamed as content is a prefix of the text before the first call.
         if content and len(content) > sent and content.startswith(s.text[:sent]):
             out["content"] = content[sent:]
-        out["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        deltas = []
+        for k, c in enumerate(calls):
+            args = c["function"]["arguments"]
+            if k >= len(begun):
+                deltas.append({"index": k, **c})
+            elif len(args) > begun[k]:
+                deltas.append({"index": k, "function": {"arguments": args[begun[k]:]}})
+        if deltas:
+            out["tool_calls"] = deltas
         return out, "tool_calls"
 
     def usage_chunk(self, states: list[SubState]) -> bytes | None:

@@ -7,8 +7,11 @@
                           tool_choice required / named -> a grammar (Lark, ``SamplingParams.ebnf``)
                           holding the output to tool calls whose arguments follow the function's
                           schema; auto -> free output; none -> neither parsed nor constrained
-    answer                tool calls parsed out of the text -> ``message.tool_calls`` (streams:
-                          ``delta.tool_calls``), finish_reason ``tool_calls``
+    answer                tool calls parsed out of the text -> ``message.tool_calls``, finish_reason
+                          ``tool_calls``; ``arguments`` is the JSON text the model wrote, verbatim
+    stream                ``delta.tool_calls`` as the calls are written: a call's id and name once
+                          its name is complete, then its arguments' text in fragments
+                          (``call_prefixes``), so the assembled calls equal the whole answer's
 
 Two conventions, chosen by the chat template (a template that mentions ``<tool_call>`` is the
 Qwen/Hermes one)::
@@ -121,12 +124,109 @@ def parse_tools(body: dict, chat_template: str | None, check_schema: Any) -> Too
 
 # ---- the answer ----------------------------------------------------------------------------------
 
+# The head of a call object as the templates ask for it and the grammars emit it: the name first,
+# then the arguments (Llama 3 calls them "parameters"). A call written in another key order is
+# still parsed, only not streamed before it is whole.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
-def _call(name: Any, args: Any) -> dict | None:
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _object_end(text: str) -> int | None:
+    """Where the JSON object that ``text`` starts with ends (one past its ``}``), None while it is
+    still open. Only strings and braces matter: the model's JSON is checked whole by json.loads."""
+    depth, in_str, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+@dataclass(frozen=True)
+class CallText:
+    """One tool call as far as the answer has written it."""
+    name: str  # complete, and one of the plan's functions
+    args: str  # the arguments' JSON text so far (all of it once ``done``)
+    done: bool
+    end: int  # where the text read for it ends, relative to where it began
+
+
+def _call_text(region: str, plan: ToolPlan) -> CallText | None:
+    """The call ``region`` begins with, once its name is written and known; None before that, or
+    when it does not start like a call (then it is only parsed whole, at the end)."""
+    head = _HEAD.match(region)
+    if head is None:
+        return None
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:
+        return None
+    if name not in plan.params:
+        return None
+    args = region[head.end():]
+    if args and not args.startswith("{"):
+        return None
+    end = _object_end(args)
+    return CallText(name, args if end is None else args[:end], end is not None,
+                    len(region) if end is None else head.end() + end)
+
+
+def call_prefixes(text: str, plan: ToolPlan) -> list[CallText]:
+    """The calls a partial answer has begun, in order, up to the first one not (yet) streamable:
+    what a stream may send as ``delta.tool_calls`` before the answer is finished."""
+    out: list[CallText] = []
+    if plan.convention == "hermes":
+        for m in re.finditer(re.escape(HERMES_OPEN), text):
+            close = text.find(HERMES_CLOSE, m.end())
+            call = _call_text(text[m.end(): len(text) if close < 0 else close], plan)
+            if call is None:
+                break
+            out.append(call)
+        return out
+    body = text.lstrip().removeprefix(PYTHON_TAG)
+    while True:
+        call = _call_text(body, plan)
+        if call is None:
+            break
+        out.append(call)
+        # The next call follows the closing brace of this one and a ";".
+        rest = re.match(r"\s*\}\s*;", body[call.end:]) if call.done else None
+        if rest is None:
+            break
+        body = body[call.end + rest.end():]
+    return out
+
+
+def _call(name: Any, args: Any, text: str) -> dict | None:
+    """An OpenAI tool call; ``arguments`` is the arguments' text as written in ``text`` (the call
+    object) when it reads back to ``args``, so a stream's fragments add up to it."""
     if not isinstance(name, str) or not isinstance(args, dict):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+    head = _HEAD.match(text)
+    end = _object_end(text[head.end():]) if head else None
+    raw = text[head.end(): head.end() + end] if head and end else None
+    try:
+        verbatim = raw is not None and json.loads(raw) == args
+    except ValueError:
+        verbatim = False
+    if raw is None or not verbatim:
+        raw = json.dumps(args, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": raw}}
 
 
 def extract_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
@@ -140,7 +240,7 @@ def extract_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict
                 obj = json.loads(m.group(1))
             except ValueError:
                 return text, []
-            call = _call(obj.get("name"), obj.get("arguments", {})) if isinstance(obj, dict) else None
+            call = _call(obj.get("name"), obj.get("arguments", {}), m.group(1)) if isinstance(obj, dict) else None
             if call is None or obj.get("name") not in plan.params:
                 return text, []
             calls.append(call)
@@ -155,7 +255,7 @@ def extract_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict
             except ValueError:
                 return text, []
             args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-            call = _call(obj.get("name") if isinstance(obj, dict) else None, args)
+            call = _call(obj.get("name") if isinstance(obj, dict) else None, args, part.strip())
             if call is None or obj.get("name") not in plan.params:
                 return text, []
             calls.append(call)

@@ -31,6 +31,14 @@ built-in text stops at ~1100 tokens whatever the target, and config.json always 
 tokenizer reached (every id the model can emit decodes), presets included. Explicit overrides
 win over the preset; ``--dtype bfloat16`` stores the weights (and ``torch_dtype``) in bfloat16.
 
+``--script CHUNK`` (repeated; qwen3, llama, qwen2) writes a *scripted* checkpoint instead: each chunk
+becomes one added (non-special) token, and the weights make greedy decoding after any chat prompt
+(one ending in the assistant turn's ``\n``) emit the chunks in order, then ``<|im_end|>``: the
+attention and MLP outputs are zero, so each step's logits depend on the current token alone, and
+the embeddings and (untied) lm_head chain trigger -> chunk 1 -> ... -> chunk n -> EOS. It is how
+the tests get an ``auto`` tool call out of a model end to end (tests/e2e/test_structured_pd.py)
+without a real checkpoint; everything but the chain is as random as in a plain tiny model.
+
 Weight scales are chosen so greedy decoding has clear winners (logit std ~8, so the top-2 gap
 is rarely a near-tie) and context matters (attention scores of a few units, branch outputs
 dominating the residual so tied embeddings do not just echo the input), see ``_init_std``.
@@ -43,6 +51,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -454,18 +463,50 @@ def tiny_config(arch: str | None = None, shape: str | None = None, dtype: str = 
     return cfg
 
 
+# The chain's logit: lm_head row (SCRIPT_LOGIT x a unit vector) against a normed hidden state of
+# size ~sqrt(hidden) on that unit vector, far above any random row (logit std ~8).
+SCRIPT_LOGIT = 20.0
+
+
+def _script_weights(w: dict[str, torch.Tensor], cfg: dict[str, Any], chain: list[int]) -> None:
+    """Rewrite ``w`` in place so greedy decoding follows ``chain`` (token i -> token i + 1): every
+    attention and MLP output projection is zero (the residual stream is the current token's
+    embedding), token i's embedding is unit vector i, and lm_head's row for token i + 1 is
+    SCRIPT_LOGIT x unit vector i."""
+    hidden = cfg["hidden_size"]
+    if len(chain) - 1 > hidden:
+        raise ValueError(f"a script of {len(chain) - 2} chunks needs hidden_size >= {len(chain) - 1}")
+    for name, t in w.items():
+        if name.endswith(("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight",
+                          "mlp.down_proj.bias")):
+            w[name] = torch.zeros_like(t)
+    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    for i, (cur, nxt) in enumerate(zip(chain, chain[1:])):
+        unit = torch.zeros(hidden, dtype=embed.dtype)  # [hidden]
+        unit[i] = 1.0
+        embed[cur] = unit
+        head[nxt] = unit * SCRIPT_LOGIT
+
+
 def make_tiny_model(out_dir: str, arch: str | None = None, seed: int = 0, shape: str | None = None,
-                    dtype: str = "float32", **overrides: Any) -> str:
+                    dtype: str = "float32", script: Sequence[str] | None = None, **overrides: Any) -> str:
     """Write a tiny checkpoint of ``arch`` (default qwen3, or the ``shape`` preset's) to ``out_dir``
     (created if missing); return ``out_dir``.
 
     ``overrides`` replace config.json keys (e.g. ``num_hidden_layers=4``), after the preset.
     ``vocab_size`` is the tokenizer's training target; config.json gets the size actually
     reached, so every id the model can emit decodes. Same arguments give byte-identical files.
+    ``script``: the chunks a scripted checkpoint emits (module docstring).
     """
     cfg = tiny_config(arch, shape, dtype, **overrides)
+    if script is not None:
+        if cfg["model_type"] == "lfm2" or not script or len(set(script)) != len(script) or "" in script:
+            raise ValueError("--script needs distinct non-empty chunks and an attention-only arch (not lfm2)")
+        cfg["tie_word_embeddings"] = False  # the chain needs lm_head rows apart from the embeddings
 
     tok = build_tokenizer(int(cfg["vocab_size"]))
+    if script is not None:
+        tok.add_tokens([AddedToken(c, special=False, normalized=False) for c in script])
     cfg["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     cfg.update({"bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot})
@@ -479,6 +520,10 @@ def make_tiny_model(out_dir: str, arch: str | None = None, seed: int = 0, shape:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tok))
     weights = make_weights(cfg, seed, getattr(torch, dtype))
+    if script is not None:
+        # The trigger: the last token of the generation prompt "<|im_start|>assistant\n".
+        trigger = tok.encode(IM_START + "assistant\n", add_special_tokens=False).ids[-1]
+        _script_weights(weights, cfg, [trigger, *(tok.token_to_id(c) for c in script), im_end])
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -491,13 +536,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="a real model's dimensions (the vocabulary stays the tiny tokenizer's)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype (default: float32)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    parser.add_argument("--script", action="append", default=None, metavar="CHUNK",
+                        help="repeated: a scripted checkpoint, whose greedy answer to a chat prompt is these "
+                             "chunks in order, then EOS")
     for key, what in SIZE_FLAGS.items():
         parser.add_argument("--" + key.replace("_", "-"), dest=key, type=int, default=None, metavar="N",
                             help=f"config.json {key}: {what}")
     args = parser.parse_args(argv)
     overrides = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
     try:
-        path = make_tiny_model(args.out, arch=args.arch, seed=args.seed, shape=args.shape, dtype=args.dtype, **overrides)
+        path = make_tiny_model(args.out, arch=args.arch, seed=args.seed, shape=args.shape, dtype=args.dtype,
+                               script=args.script, **overrides)
     except ValueError as exc:
         parser.error(str(exc))  # exit 2 with the reason, before anything is written
     print(path)

@@ -37,6 +37,10 @@ from common.auth import signed_headers
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a tie float noise may break either way
+# The tool call the session's scripted checkpoint writes (conftest's scripted_routed), one added
+# token per chunk (tests/e2e/test_tool_call_auto.py).
+TOOL_CALL_SCRIPT = ("<tool_call>\n", '{"name": ', '"get_time"', ', "arguments": ', '{"tz": ', '"CET"', "}}",
+                    "\n</tool_call>")
 STARTUP_TIMEOUT_S = 120.0
 # Decode flags for a pool that must run dry: 16 pages of 16 tokens and an optimistic headroom
 # ratio, so concurrent long outputs are retracted.

@@ -12,6 +12,11 @@ checks, the HF comparison) live in ``tests/e2e/cluster.py``.
                  decode streams every 3 tokens (--stream-interval 3), so every streamed check in
                  those tests also runs on multi-token chunks, and keeps its own prefix cache
                  (--disaggregation-decode-enable-radix-cache), so they also run with decode reuse
+    scripted_routed  our router over a prefill + a decode node on a *scripted* tiny qwen3
+                 (``make-tiny-model --script TOOL_CALL_SCRIPT``: after any chat prompt its greedy
+                 output is a Hermes tool call, then EOS; any other context gives random tokens),
+                 one for the session, shared by test_fuzz_http (whose oracle never reads what the
+                 model says) and test_tool_call_auto (which needs a model that writes a call)
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.e2e.cluster import Cluster, running_cluster
+from common.tools.local_cluster import LocalCluster
+from tests.e2e.cluster import TOOL_CALL_SCRIPT, Cluster, running_cluster
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +42,23 @@ def pd_cluster(request: pytest.FixtureRequest, tiny_model_factory: Callable[...,
     with running_cluster(tiny_model_factory(request.param),
                          decode_args=["--stream-interval", "3", "--disaggregation-decode-enable-radix-cache"]) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def scripted_routed(tiny_model_factory: Callable[..., str],
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, str]]:
+    """(the cluster, the router's URL); the short bootstrap/waiting timeouts are test_fuzz_http's
+    (a fuzzed body with bootstrap fields pointing nowhere must fail fast)."""
+    c = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-scripted-e2e")),
+                     env={"PDC_BOOTSTRAP_TIMEOUT_S": "3", "PDC_WAITING_TIMEOUT_S": "5"})
+    try:
+        url = c.start(tiny_model_factory("qwen3", script=TOOL_CALL_SCRIPT), backend="mooncake", num_prefill=1,
+                      num_decode=1, router="ours", router_args=["--request-timeout-s", "20", "--health-check-interval-s", "1"],
+                      startup_timeout_s=180)
+        assert url is not None
+        yield c, url
+    except BaseException:
+        print(c.log_tails(40))
+        raise
+    finally:
+        c.stop()

@@ -1,5 +1,6 @@
 """Property-based fuzzing of every HTTP API of a real cluster: our router, a prefill node, a decode
-node (1 + 1, Mooncake over TCP, tiny qwen3) and the prefill's bootstrap registry.
+node (1 + 1, Mooncake over TCP, tiny qwen3: the session's ``scripted_routed``) and the prefill's
+bootstrap registry.
 
 hypothesis draws bodies of three kinds for every route: arbitrary JSON values, request-shaped
 objects whose fields take wrong types and edge values (negative, huge, NaN-like strings, unicode,
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -85,25 +86,17 @@ def check(r: httpx.Response, what: str, allowed_5xx: tuple[int, ...] = ()) -> No
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, str]]:
-    c = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-fuzz-e2e")),
-                     env={"PDC_BOOTSTRAP_TIMEOUT_S": "3", "PDC_WAITING_TIMEOUT_S": "5"})
-    try:
-        url = c.start(tiny_model_factory("qwen3"), backend="mooncake", num_prefill=1, num_decode=1, router="ours",
-                      router_args=["--request-timeout-s", "20", "--health-check-interval-s", "1"], startup_timeout_s=180)
-        assert url is not None
-        routes_before = httpx.get(f"http://127.0.0.1:{c.prefills[0].bootstrap_port}/routes", timeout=10).json()
-        yield c, url
-        for n in c.nodes:
-            wait_idle(n.url, timeout_s=30)
-        routes_after = httpx.get(f"http://127.0.0.1:{c.prefills[0].bootstrap_port}/routes", timeout=10).json()
-        assert routes_after == routes_before, "a fuzzed PUT /route changed the registry"
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
-    except BaseException:
-        print(c.log_tails(40))
-        raise
-    finally:
-        c.stop()
+def cluster(scripted_routed: tuple[LocalCluster, str]) -> Iterator[tuple[LocalCluster, str]]:
+    """The session's ``scripted_routed`` cluster (tests/e2e/conftest.py: what the model says is
+    never read here); the registry and every node must end as they began."""
+    c, url = scripted_routed
+    routes_before = httpx.get(f"http://127.0.0.1:{c.prefills[0].bootstrap_port}/routes", timeout=10).json()
+    yield c, url
+    for n in c.nodes:
+        wait_idle(n.url, timeout_s=30)
+    routes_after = httpx.get(f"http://127.0.0.1:{c.prefills[0].bootstrap_port}/routes", timeout=10).json()
+    assert routes_after == routes_before, "a fuzzed PUT /route changed the registry"
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
 GENERATION = [("/generate", NATIVE_KEYS, True), ("/v1/completions", OPENAI_KEYS, False),

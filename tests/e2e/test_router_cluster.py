@@ -11,10 +11,10 @@ router's port; the nodes are only read for their counters and memory, and killed
     test_decode_killed_*      SIGKILL of a decode mid-stream: its streams end with an error event
                               within the bound; the other decode keeps serving
     test_workers_*            /workers DELETE and POST during a run: no request fails
-    test_structured_*         response_format json_schema over varied schemas (openai client, chat and
-                              completions, streamed and not, greedy and sampled): every answer parses and
-                              validates; greedy ones equal HF generate with the grammar as a logits
-                              processor; regex and EBNF on /generate; beta...parse with a pydantic
+    test_structured_*         response_format json_schema: the acceptance run over 20 schemas
+                              (tests/e2e/grammar_schemas.py, GRAMMAR_REQUESTS; openai client, streamed
+                              and not, greedy and sampled): every answer parses and validates; greedy
+                              ones equal HF generate with the grammar as a logits processor; regex and EBNF on /generate; beta...parse with a pydantic
                               model; tool_choice required / named give valid arguments (tool_calls,
                               streamed and not); bad grammars and tool names are 400s that leave every
                               node idle
@@ -45,7 +45,7 @@ from common.cpu_budget import split_threads
 from common.tools.bench_report import scheduler_counters
 from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
 from tests.e2e.cluster import NEAR_TIE, check_greedy, check_greedy_text, wait_idle
-from tests.e2e.grammar_schemas import SCHEMAS
+from tests.e2e import grammar_schemas as grammar
 
 openai = pytest.importorskip("openai")
 
@@ -352,39 +352,24 @@ def check_constrained(r: Routed, prompt: list[int], got: list[int] | str, kind: 
         assert got[:tie] == want[:tie] and (tie < len(want) or got == want), f"{what}: got {got}, HF {want}"
 
 
-def structured_chat(r: Routed, name: str, stream: bool, greedy: bool, i: int) -> tuple[str, str | None, list[int]]:
-    """(answer text, finish_reason, prompt ids) of one chat request under SCHEMAS[name]; the greedy
-    ones of a schema share a prompt (one HF reference), the sampled ones each have their own."""
-    msgs = [{"role": "user", "content": f"record {'g' if greedy else i} as JSON ({name})"}]
-    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
-    sampling = {"temperature": 0} if greedy else {"temperature": 1.0, "seed": 100 + i}
-    resp = r.client().chat.completions.create(model=r.model, messages=msgs, max_tokens=160, stream=stream,
-                                              response_format=fmt, **sampling)  # type: ignore[arg-type]
-    if stream:
-        chunks = list(resp)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        finish = next((c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason), None)
-    else:
-        text, finish = resp.choices[0].message.content or "", resp.choices[0].finish_reason
-    return text, finish, list(r.tok.apply_chat_template(msgs, add_generation_prompt=True))
+def structured_chat(r: Routed, job: grammar.Job) -> tuple[str, str | None]:
+    """(answer text, finish_reason) of one acceptance request through the openai client."""
+    resp = r.client().chat.completions.create(stream=job.stream, **job.body(r.model))
+    if not job.stream:
+        return resp.choices[0].message.content or "", resp.choices[0].finish_reason
+    chunks = list(resp)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, next((c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason), None)
 
 
 def test_structured_outputs_validate_and_greedy_match_hf(routed: Routed) -> None:
-    jobs = [(name, stream, greedy) for name in SCHEMAS for stream, greedy in ((False, True), (True, True), (True, False))]
+    """The acceptance run (tests/e2e/grammar_schemas.py) on 2P2D: GRAMMAR_REQUESTS requests,
+    60 by default (3 per schema, a greedy one among them)."""
+    jobs = grammar.plan(grammar.requests_from_env(60))
     t0 = time.monotonic()
-    with ThreadPoolExecutor(len(jobs)) as ex:  # all at once: constrained rows share batches with each other
-        results = list(ex.map(lambda j: structured_chat(routed, j[1][0], j[1][1], j[1][2], j[0]), enumerate(jobs)))
-    print(f"{len(jobs)} structured requests in {time.monotonic() - t0:.1f} s")
-    greedy_text: dict[str, str] = {}
-    for (name, stream, greedy), (text, finish, prompt) in zip(jobs, results):
-        what = f"{name} stream={stream} greedy={greedy}"
-        assert finish == "stop", f"{what}: finish {finish}, text {text!r}"
-        jsonschema.validate(json.loads(text), SCHEMAS[name])  # every answer parses and validates
-        if greedy and name in greedy_text:
-            assert text == greedy_text[name], f"{what}: streamed {text!r}, not {greedy_text[name]!r}"
-        elif greedy:
-            greedy_text[name] = text
-            check_constrained(routed, prompt, text, "json_schema", json.dumps(SCHEMAS[name]), 160, what)
+    results = grammar.run(jobs, lambda j: structured_chat(routed, j))
+    print(f"2P2D: {len(jobs)} structured requests in {time.monotonic() - t0:.1f} s")
+    grammar.check(jobs, results, routed.model_dir, routed.tok, NEAR_TIE)
     routed.wait_idle()
 
 
@@ -442,25 +427,37 @@ TOOLS = [
 ]
 
 
+def streamed_tool_calls(r: Routed, **body: Any) -> tuple[Any, list[str]]:
+    """A streamed chat request through the openai client's own stream helper: (the completion it
+    assembles from the deltas, the argument fragments it received)."""
+    fragments = []
+    with r.client().chat.completions.stream(model=r.model, **body) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
+        return stream.get_final_completion(), fragments
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_structured_tool_choice_returns_valid_arguments(routed: Routed, choice: Any) -> None:
+    """Valid arguments, streamed and not; the streamed calls (name first, then argument fragments,
+    as OpenAI streams them) assemble in the openai client to the non-streamed ones."""
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for stream in (False, True):
-        resp = routed.client().chat.completions.create(
-            model=routed.model, messages=[{"role": "user", "content": "what is the weather in Oslo?"}], tools=TOOLS,
-            tool_choice=choice, parallel_tool_calls=False, max_tokens=200, temperature=0, stream=stream)  # type: ignore[arg-type]
-        if stream:
-            chunks = [c for c in resp if c.choices]
-            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-            finish = chunks[-1].choices[0].finish_reason
-            content = "".join(c.choices[0].delta.content or "" for c in chunks)
-        else:
-            msg = resp.choices[0].message
-            calls, finish, content = msg.tool_calls or [], resp.choices[0].finish_reason, msg.content or ""
-        assert finish == "tool_calls" and len(calls) == 1 and content == "", (stream, finish, calls, content)
+    body = {"messages": [{"role": "user", "content": "what is the weather in Oslo?"}], "tools": TOOLS,
+            "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 200, "temperature": 0}
+    whole = routed.client().chat.completions.create(model=routed.model, **body)  # type: ignore[arg-type]
+    streamed, fragments = streamed_tool_calls(routed, **body)
+    for resp in (whole, streamed):
+        msg = resp.choices[0].message
+        calls, finish, content = msg.tool_calls or [], resp.choices[0].finish_reason, msg.content or ""
+        assert finish == "tool_calls" and len(calls) == 1 and content == "", (finish, calls, content)
         name = calls[0].function.name
         assert name in params and (choice == "required" or name == choice["function"]["name"])
         jsonschema.validate(json.loads(calls[0].function.arguments), params[name])
+    assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+    # How many fragments depends on how the stream coalesces tokens (timing); they add up to the call.
+    assert "".join(fragments) == (whole.choices[0].message.tool_calls or [])[0].function.arguments
     routed.wait_idle()
 
 

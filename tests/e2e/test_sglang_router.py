@@ -289,26 +289,26 @@ def test_concurrent_mixed_requests_match_hf(routed: Routed) -> None:
 
 def test_structured_outputs_behind_sglang_router(routed: Routed) -> None:
     """response_format (chat, streamed and not) and /generate's regex survive the router's
-    rebuilt bodies: answers validate and equal HF generate with the grammar as a logits processor."""
-    import jsonschema
-
-    from tests.e2e.grammar_schemas import SCHEMAS
+    rebuilt bodies: the acceptance run of tests/e2e/grammar_schemas.py (GRAMMAR_REQUESTS, 20 by
+    default: one per schema) validates and equals HF generate with the grammar as a logits processor."""
+    from tests.e2e import grammar_schemas as grammar
+    from tests.e2e.cluster import NEAR_TIE
     from tests.reference import hf_greedy_constrained
 
-    model_dir, name = routed.cluster.model_dir, "ref"
-    msgs = [{"role": "user", "content": "two points as JSON"}]
-    prompt = list(routed.tok.apply_chat_template(msgs, add_generation_prompt=True))
-    want, _ = hf_greedy_constrained(model_dir, prompt, 120, "json_schema", json.dumps(SCHEMAS[name]))
-    body = {"model": routed.model, "messages": msgs, "max_tokens": 120, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}}
-    out = routed.post("/v1/chat/completions", body)
-    assert out.status_code == 200, out.text
-    streamed = routed.stream("/v1/chat/completions", body)
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed if e["choices"])
-    for got, finish in ((out.json()["choices"][0]["message"]["content"], out.json()["choices"][0]["finish_reason"]),
-                        (text, streamed[-1]["choices"][0]["finish_reason"])):
-        assert finish == "stop" and got == routed.tok.decode(want), (got, routed.tok.decode(want))
-        jsonschema.validate(json.loads(got), SCHEMAS[name])
+    def send(job: grammar.Job) -> tuple[str, str | None]:
+        body = job.body(routed.model)
+        if job.stream:
+            return grammar.sse_chat(routed.stream("/v1/chat/completions", body))
+        out = routed.post("/v1/chat/completions", body)
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["message"]["content"], out.json()["choices"][0]["finish_reason"]
+
+    model_dir = routed.cluster.model_dir
+    jobs = grammar.plan(grammar.requests_from_env(20))
+    t0 = time.monotonic()
+    results = grammar.run(jobs, send)
+    print(f"sglang-router: {len(jobs)} structured requests in {time.monotonic() - t0:.1f} s")
+    grammar.check(jobs, results, model_dir, routed.tok, NEAR_TIE)
     regex = "(cache|node|room)-[0-9]{2,4}"
     gen = routed.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 20, "temperature": 0,
                                                                                 "regex": regex}})

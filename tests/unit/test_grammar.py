@@ -228,9 +228,12 @@ def _ready_state(backend: Any, spec: GrammarSpec) -> GrammarState:
     return st
 
 
-def test_sampler_masks_greedy_and_sampled_rows_in_one_batch(tok: Tokenizer, backend: Any) -> None:
+@pytest.mark.parametrize("started", [False, True], ids=["in-sample", "started-before"])
+def test_sampler_masks_greedy_and_sampled_rows_in_one_batch(tok: Tokenizer, backend: Any, started: bool) -> None:
     """Row 0 greedy under a regex, row 1 sampled under a schema, row 2 free: constrained rows
-    only ever pick allowed tokens, a greedy row picks the best allowed one, the free row is untouched."""
+    only ever pick allowed tokens, a greedy row picks the best allowed one, the free row is untouched.
+    ``started-before``: the mask is started on the mask thread first, as run_decode does before
+    its forward."""
     torch.manual_seed(0)
     regex = _ready_state(backend, GrammarSpec("regex", "[0-9]{4}"))
     schema = _ready_state(backend, GrammarSpec("json_schema", json.dumps(OBJ)))
@@ -241,7 +244,8 @@ def test_sampler_masks_greedy_and_sampled_rows_in_one_batch(tok: Tokenizer, back
         logits = torch.randn(3, tok.vocab_size) * 4
         ref0 = _reference_allowed(tok, llg.LLMatcher.grammar_from_regex("[0-9]{4}"), outs[0])
         matchers = [regex.matcher if not regex.done() else None, schema.matcher if not schema.done() else None, None]
-        got = sampler.sample(logits, params, outs, grammars=matchers).token_ids.tolist()
+        mask = sampler.start_grammar_mask(matchers) if started else None
+        got = sampler.sample(logits, params, outs, grammars=matchers, grammar_mask=mask).token_ids.tolist()
         if matchers[0] is not None:
             expect = int(torch.argmax(logits[0].masked_fill(~ref0, float("-inf"))))
             assert got[0] == expect

@@ -217,6 +217,8 @@ def test_shape_presets_have_the_real_dimensions(tmp_path: os.PathLike, shape: st
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "qwen3-0.6b", "--arch", "llama"], "--shape qwen3-0.6b is a qwen3 model, not --arch llama"),
     (["--num-attention-heads", "6", "--num-key-value-heads", "4"], "not a multiple of num_key_value_heads 4"),
+    (["--script", "a", "--script", "a"], "--script needs distinct non-empty chunks"),
+    (["--arch", "lfm2", "--script", "a"], "an attention-only arch (not lfm2)"),
 ])
 def test_bad_options_exit_2_and_write_nothing(tmp_path: os.PathLike, capsys: pytest.CaptureFixture[str],
                                                argv: list[str], message: str) -> None:

@@ -141,24 +141,95 @@ def test_an_auto_answer_with_a_tool_call_becomes_tool_calls(cfg: ApiConfig, tok:
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
 
 
-def test_a_streamed_tool_call_goes_out_as_a_tool_calls_delta(cfg: ApiConfig, tok: Tokenizer) -> None:
+def _stream(cfg: ApiConfig, tok: Tokenizer, text: str, finish: FinishReason | None = None,
+            tools: list[dict] | None = None) -> tuple[list[dict], dict]:
+    """The chunks of ``text`` streamed one token per update, and the whole answer's choice for the
+    same text (what the non-streamed request would return)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    finish = finish or FinishReason(type="stop", matched=2)
     req, s = _state(cfg, tok, True)
+    if tools is not None:
+        req = chat(cfg, tok, tools=tools, stream=True)
+        s = SubState.new(req.subs[0], tok)
     shaper = StreamShaper(req, tok)
-    ids = tok.encode(ANSWER, add_special_tokens=False)
     chunks: list[dict] = []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        delta = s.apply(ReqOutput(rid=s.sub.rid, new_token_ids=[t], finish=FinishReason(type="stop", matched=2) if last else None))
+        delta = s.apply(ReqOutput(rid=s.sub.rid, new_token_ids=[t], finish=finish if last else None))
         chunks += [json.loads(c.decode()[6:]) for c in shaper.update(s, delta)]
+    whole_req = chat(cfg, tok, tools=tools or [WEATHER, TIME])
+    whole = SubState.new(whole_req.subs[0], tok)
+    whole.apply(ReqOutput(rid=whole.sub.rid, new_token_ids=ids, finish=finish))
+    return chunks, chat_body(whole_req, [whole], tok)["choices"][0]
+
+
+def _assemble(chunks: list[dict]) -> list[dict]:
+    """Tool-call deltas merged by index the way OpenAI's clients do: the first delta of an index
+    brings id, type and name; arguments are concatenated."""
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for tc in c["choices"][0]["delta"].get("tool_calls") or []:
+            if tc["index"] not in calls:
+                assert tc["id"].startswith("call_") and tc["type"] == "function" and tc["function"]["name"]
+                calls[tc["index"]] = {"id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}, tc
+            calls[tc["index"]]["arguments"] += tc["function"].get("arguments") or ""
+    return [calls[k] for k in sorted(calls)]
+
+
+def _names_args(choice: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"].get("tool_calls") or []]
+
+
+TWO_CALLS = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+             '\n<tool_call>\n{"name":"get_time","arguments":{"tz":"UTC"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("text", [ANSWER, TWO_CALLS])
+def test_streamed_tool_calls_go_out_as_name_then_argument_fragments(cfg: ApiConfig, tok: Tokenizer, text: str) -> None:
+    chunks, whole = _stream(cfg, tok, text)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     content = "".join(d.get("content") or "" for d in deltas)
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert content == "Checking.\n" or content == "Checking."  # nothing of the call leaked as text
-    assert "<tool_call" not in content
-    [call] = calls
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "days": 2}
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert content in ("Checking.\n", "Checking.") and "<tool_call" not in content  # nothing of a call leaked
+    calls = _assemble(chunks)
+    # The assembled calls equal the whole answer's, arguments byte for byte (the text the model wrote).
+    assert [(c["name"], c["arguments"]) for c in calls] == _names_args(whole) != []
+    assert json.loads(calls[0]["arguments"]) == {"city": "Oslo", "days": 2}
+    # Incremental: the name goes out before the arguments are complete, which then come in
+    # several fragments, each before the answer finished.
+    fragments = [(i, tc) for i, c in enumerate(chunks) for tc in c["choices"][0]["delta"].get("tool_calls") or []
+                 if tc["index"] == 0]
+    assert fragments[0][1]["function"]["name"] == "get_weather" and len(fragments) >= 4
+    assert fragments[0][1]["function"]["arguments"] != calls[0]["arguments"]
+    assert sum(1 for i, _ in fragments if i < len(chunks) - 1) >= 3  # before the finishing chunk
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" == whole["finish_reason"]
+
+
+def test_streamed_tool_calls_in_the_llama3_convention(cfg: ApiConfig, tok: Tokenizer) -> None:
+    text = '{"name": "get_time", "parameters": {"tz": "CET"}}; {"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}'
+    plan = ToolPlan([WEATHER, TIME], {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)},
+                    "auto", None, True, "llama3")
+    from common.server.tools import call_prefixes
+
+    prefixes = [call_prefixes(text[:k], plan) for k in range(len(text) + 1)]
+    assert [c.name for c in prefixes[-1]] == ["get_time", "get_weather"] and all(c.done for c in prefixes[-1])
+    assert prefixes[-1][1].args == '{"city": "Rome", "days": 1}'
+    # Each prefix's argument text only grows, and the name appears before the arguments end.
+    first_name = next(k for k, p in enumerate(prefixes) if p)
+    assert prefixes[first_name][0].args == "" and not prefixes[first_name][0].done
+    content, calls = extract_tool_calls(text, plan)
+    assert content is None and [c["function"]["arguments"] for c in calls] == [c.args for c in prefixes[-1]]
+
+
+def test_a_streamed_call_cut_short_keeps_what_was_sent(cfg: ApiConfig, tok: Tokenizer) -> None:
+    text = ANSWER[: ANSWER.index('"days"')]
+    chunks, whole = _stream(cfg, tok, text, FinishReason(type="length", length=len(tok.encode(text, add_special_tokens=False))))
+    assert whole["finish_reason"] == "length" and "tool_calls" not in whole["message"]
+    [call] = _assemble(chunks)
+    assert call["name"] == "get_weather" and call["arguments"].rstrip() == '{"city": "Oslo",'
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert "<tool_call" not in content and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_llama3_convention_grammar_and_parse(tok: Tokenizer) -> None:
