@@ -277,7 +277,8 @@ class DecodeScheduler:
             q.retracted.popleft()
             r.kv = kv
             first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step)
-            self.memory.written(kv, 0, len(ids), final=False)  # digests, for the prefix cache (if on)
+            if self.memory.cache.enabled:  # digests of the full pages, checked before the cache serves them
+                self.memory.written(kv, 0, len(ids), final=False)
             budget_left -= len(ids)
             if first is not None:
                 self._append(r, first.token_id, first.logprob, first.top_logprobs)
