@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -118,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]
     prefills = [int(n) for n in a.prefill.split(",") if n]
-    if not (batches or prefills) or (batches and min(batches) < 1) or (prefills and min(prefills) < 1) or a.prefill_repeat < 1:
+    if not (batches or prefills):
+        print("bench_decode_step: nothing to time (--batch is empty and no --prefill)", file=sys.stderr)
+        return 2
+    if (batches and min(batches) < 1) or (prefills and min(prefills) < 1) or a.prefill_repeat < 1:
         print("bench_decode_step: batch sizes, --prefill lengths and --prefill-repeat must be >= 1", file=sys.stderr)
         return 2
     if a.context < 1 or a.steps < 1 or a.warmup < 0 or a.cpu_threads < 1:
@@ -153,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     peak_gflops = None
     if limit_row is not None:
         peak_gflops = limit_row["bf16_gflops" if dtype_bytes == 2 and "bf16_gflops" in limit_row else "fp32_gflops"]
-    prefill_rows = []
+    prefill_rows: list[dict[str, float]] = []
+    prefill_shape = roofline.Shape.from_config(runner_config(a.model_path))
+    if prefills:
+        print(f"model {a.model_path}, one prompt per length, {a.cpu_threads} thread(s)")
     for n in prefills:
         times = sorted(prefill_s(runner, n, 1, a.prefill_repeat, a.seed))
-        med = times[len(times) // 2]
-        gflops = roofline.prefill_flops(roofline.Shape.from_config(
-            json.loads((Path(a.model_path) / "config.json").read_text())), n) / med / 1e9
-        prow = {"tokens": n, "median_s": med, "min_s": times[0], "max_s": times[-1], "gflops": gflops}
+        med = statistics.median(times)
+        gflops = roofline.prefill_flops(prefill_shape, n) / med / 1e9
+        prow: dict[str, float] = {"tokens": n, "median_s": med, "min_s": times[0], "max_s": times[-1], "gflops": gflops}
         line = (f"prefill {n} tokens: median {med * 1000:.1f} ms (min {times[0] * 1000:.1f}, max {times[-1] * 1000:.1f}, "
                 f"{len(times)} runs), {gflops:.1f} GFLOP/s")
         if peak_gflops is not None:
@@ -167,11 +174,23 @@ def main(argv: list[str] | None = None) -> int:
             line += f", {100 * gflops / peak_gflops:.0f} % of the {peak_gflops:.1f} GFLOP/s peak"
         prefill_rows.append(prow)
         print(line, flush=True)
-    if not batches:
-        if a.json_path:
-            with open(a.json_path, "w") as f:
-                json.dump({"args": vars(a), "rows": rows, "prefill": prefill_rows}, f, indent=1)
-        return 0
+    if batches:
+        decode_rows(runner, a, batches, limit_row, shape, dtype_bytes, peak_gflops, rows)
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"args": vars(a), "rows": rows, "prefill": prefill_rows}, f, indent=1)
+    return 0
+
+
+def runner_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json (the runner has already loaded it, so it is readable)."""
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def decode_rows(runner: ModelRunner, a: argparse.Namespace, batches: list[int], limit_row: dict[str, float] | None,
+                shape: roofline.Shape | None, dtype_bytes: int, peak_gflops: float | None,
+                rows: list[dict[str, float]]) -> None:
+    """Time each batch size's decode step; print its row and append it to ``rows``."""
     print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, "
           f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")
     if limit_row is None:
@@ -194,10 +213,6 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {roof_ms:.3f} | {ms / roof_ms:.2f} |"
         rows.append(row)
         print(line, flush=True)
-    if a.json_path:
-        with open(a.json_path, "w") as f:
-            json.dump({"args": vars(a), "rows": rows, "prefill": prefill_rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
