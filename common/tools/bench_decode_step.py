@@ -15,15 +15,23 @@ prints ms per step and per token; the model and threads are those of a node
 With ``--limits`` (the ``--json`` of ``python -m common.tools.bench_limits``) each row also shows
 the step's roofline, max(bytes read / bandwidth, FLOPs / peak) for the row of ``--cpu-threads``
 (common/tools/roofline.py, at the mean context of the timed steps), and the measured step over it.
+
+``--prefill 512,2048`` times the other half of a request's life on the same set-up: one prompt of
+each length prefilled in one forward (no prefix cache, logits for its last token), ``--prefill-repeat``
+times after one warm-up; it prints the median seconds and the model FLOPs per second
+(``roofline.prefill_flops``), with ``--limits`` also as a share of the measured matmul peak.
+``--batch ""`` skips the decode steps.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,6 +80,27 @@ def step_ms(runner: ModelRunner, batch: int, context: int, warmup: int, steps: i
     return ms
 
 
+def prefill_s(runner: ModelRunner, tokens: int, warmup: int, repeat: int, seed: int) -> list[float]:
+    """Wall seconds of each timed prefill of one ``tokens``-token prompt; frees what it took."""
+    driver, memory = EngineDriver(runner, Sampler()), runner.memory
+    rng = random.Random(seed)
+    vocab = runner.arch.vocab_size
+    greedy = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(warmup + repeat):
+        prompt = [rng.randrange(3, vocab) for _ in range(tokens)]  # a fresh prompt each time
+        kv = memory.admit(prompt)
+        if kv is None or not memory.reserve(kv, tokens):
+            raise SystemExit(f"bench_decode_step: the KV pool does not hold a {tokens}-token prompt")
+        t0 = time.perf_counter()
+        driver.run_extend([ExtendChunk(kv.row, prompt, 0)], [SampleSpec(greedy, [], prompt)])
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        memory.release(kv, None)
+    memory.check_integrity()
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m common.tools.bench_decode_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,19 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path")
     p.add_argument("--limits", default=None, help="bench_limits --json output: report each step against its roofline")
+    p.add_argument("--prefill", default="", help="comma-separated prompt lengths to time one prefill of each")
+    p.add_argument("--prefill-repeat", type=int, default=5)
     a = p.parse_args(argv)
-    batches = [int(b) for b in a.batch.split(",")]
-    if min(batches) < 1 or a.context < 1 or a.steps < 1 or a.warmup < 0 or a.cpu_threads < 1:
+    batches = [int(b) for b in a.batch.split(",") if b]
+    prefills = [int(n) for n in a.prefill.split(",") if n]
+    if not (batches or prefills):
+        print("bench_decode_step: nothing to time (--batch is empty and no --prefill)", file=sys.stderr)
+        return 2
+    if (batches and min(batches) < 1) or (prefills and min(prefills) < 1) or a.prefill_repeat < 1:
+        print("bench_decode_step: batch sizes, --prefill lengths and --prefill-repeat must be >= 1", file=sys.stderr)
+        return 2
+    if a.context < 1 or a.steps < 1 or a.warmup < 0 or a.cpu_threads < 1:
         print("bench_decode_step: batch sizes, --context, --steps and --cpu-threads must be >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(a.cpu_threads)
-    tokens = max(batches) * (a.context + a.warmup + a.steps + 1)
+    most = max(batches, default=1)
+    tokens = max(most * (a.context + a.warmup + a.steps + 1), max(prefills, default=0))
     try:
         cfg = resolve(NodeConfig(
             role="decode",
             model=ModelConfig(model_path=a.model_path, device="cpu"),
-            cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + max(batches) * a.page_size,
-                              max_running_requests=max(batches), enable_prefix_cache=False),
+            cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + most * a.page_size,
+                              max_running_requests=most, enable_prefix_cache=False),
             attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=a.torch_decode_mirror_mib),
         ))
         runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
@@ -116,6 +155,42 @@ def main(argv: list[str] | None = None) -> int:
         shape = roofline.Shape.from_config(model_cfg)
         dtype_bytes = 2 if model_cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
     rows = []
+    peak_gflops = None
+    if limit_row is not None:
+        peak_gflops = limit_row["bf16_gflops" if dtype_bytes == 2 and "bf16_gflops" in limit_row else "fp32_gflops"]
+    prefill_rows: list[dict[str, float]] = []
+    prefill_shape = roofline.Shape.from_config(runner_config(a.model_path))
+    if prefills:
+        print(f"model {a.model_path}, one prompt per length, {a.cpu_threads} thread(s)")
+    for n in prefills:
+        times = sorted(prefill_s(runner, n, 1, a.prefill_repeat, a.seed))
+        med = statistics.median(times)
+        gflops = roofline.prefill_flops(prefill_shape, n) / med / 1e9
+        prow: dict[str, float] = {"tokens": n, "median_s": med, "min_s": times[0], "max_s": times[-1], "gflops": gflops}
+        line = (f"prefill {n} tokens: median {med * 1000:.1f} ms (min {times[0] * 1000:.1f}, max {times[-1] * 1000:.1f}, "
+                f"{len(times)} runs), {gflops:.1f} GFLOP/s")
+        if peak_gflops is not None:
+            prow["of_peak"] = gflops / peak_gflops
+            line += f", {100 * gflops / peak_gflops:.0f} % of the {peak_gflops:.1f} GFLOP/s peak"
+        prefill_rows.append(prow)
+        print(line, flush=True)
+    if batches:
+        decode_rows(runner, a, batches, limit_row, shape, dtype_bytes, peak_gflops, rows)
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"args": vars(a), "rows": rows, "prefill": prefill_rows}, f, indent=1)
+    return 0
+
+
+def runner_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json (the runner has already loaded it, so it is readable)."""
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def decode_rows(runner: ModelRunner, a: argparse.Namespace, batches: list[int], limit_row: dict[str, float] | None,
+                shape: roofline.Shape | None, dtype_bytes: int, peak_gflops: float | None,
+                rows: list[dict[str, float]]) -> None:
+    """Time each batch size's decode step; print its row and append it to ``rows``."""
     print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, "
           f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")
     if limit_row is None:
@@ -130,18 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         line = f"| {b} | {ms:.3f} | {1000 * ms / b:.1f} |"
         if limit_row is not None and shape is not None:
             ctx = a.context + a.warmup + a.steps // 2  # the mean context of the timed steps
-            peak = limit_row["bf16_gflops" if dtype_bytes == 2 and "bf16_gflops" in limit_row else "fp32_gflops"]
+            assert peak_gflops is not None
             roof_ms = 1000 * roofline.roofline_s(roofline.decode_flops(shape, b, ctx),
                                                  roofline.decode_bytes(shape, b, ctx, dtype_bytes),
-                                                 peak * 1e9, limit_row["read_gbs"] * 1e9)
+                                                 peak_gflops * 1e9, limit_row["read_gbs"] * 1e9)
             row.update(roofline_ms=roof_ms, x_roofline=ms / roof_ms)
             line += f" {roof_ms:.3f} | {ms / roof_ms:.2f} |"
         rows.append(row)
         print(line, flush=True)
-    if a.json_path:
-        with open(a.json_path, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

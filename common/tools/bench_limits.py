@@ -24,14 +24,29 @@ import torch
 from common.cpu_budget import allowed_cpus
 
 
+# The instructions a reduced-precision matmul needs (oneDNN uses them when present). Without them a
+# bf16 or int8 path is emulated in float32 and slower than float32 itself, so none is offered.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_isa(cpuinfo: str | None = None) -> dict[str, bool]:
+    """Which of ISA_FLAGS /proc/cpuinfo lists (Linux; elsewhere none), plus the two questions
+    the engine asks: ``bf16`` (AVX512-BF16 or AMX-BF16) and ``int8`` (VNNI or AMX-INT8)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+    isa = {f: f in flags for f in ISA_FLAGS}
+    isa["bf16"] = isa["avx512_bf16"] or isa["amx_bf16"]
+    isa["int8"] = isa["avx512_vnni"] or isa["avx_vnni"] or isa["amx_int8"]
+    return isa
+
+
 def cpu_has_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (Linux); elsewhere, assume not."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_isa()["bf16"]
 
 
 def _best_s(fn: Any, repeat: int) -> float:
@@ -102,16 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--threads {ns.threads!r}: expected a comma list of integers")
     if any(t < 1 for t in threads) or ns.mib < 1 or ns.n < 1 or ns.repeat < 1:
         p.error("--threads, --mib, --n and --repeat must be >= 1")
-    bf16 = cpu_has_bf16()
+    isa = cpu_isa()
+    bf16 = isa["bf16"]
     rows = measure(threads, ns.mib, ns.n, ns.repeat, bf16)
     head = f"{'threads':>7} {'read GB/s':>10} {'fp32 GFLOP/s':>13}" + (f" {'bf16 GFLOP/s':>13}" if bf16 else "")
-    print(f"# torch {torch.__version__}, {cores} cores available, bf16 instructions: {'yes' if bf16 else 'no'}")
+    print(f"# torch {torch.__version__}, {cores} cores available, bf16 instructions: {'yes' if bf16 else 'no'}, "
+          f"int8 (VNNI/AMX): {'yes' if isa['int8'] else 'no'}; flags: {' '.join(f for f in ISA_FLAGS if isa[f]) or 'none'}")
     print(head)
     for r in rows:
         line = f"{r['threads']:>7} {r['read_gbs']:>10.1f} {r['fp32_gflops']:>13.1f}"
         print(line + (f" {r['bf16_gflops']:>13.1f}" if bf16 else ""))
     if ns.json:
-        out = {"torch": torch.__version__, "cores": cores, "bf16": bf16, "mib": ns.mib, "n": ns.n, "rows": rows}
+        out = {"torch": torch.__version__, "cores": cores, "bf16": bf16, "isa": isa, "mib": ns.mib, "n": ns.n, "rows": rows}
         Path(ns.json).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -44,3 +44,25 @@ def test_limits_add_the_roofline_of_each_step(tiny_qwen3: str, tmp_path: Path) -
     assert row["roofline_ms"] == pytest.approx(want_ms)
     assert row["x_roofline"] == pytest.approx(row["ms_per_step"] / want_ms)
     assert bench_decode_step.main(["--model-path", tiny_qwen3, "--limits", str(tmp_path / "none.json")]) == 2
+
+
+def test_prefill_reports_model_flops_over_the_peak(tiny_qwen3: str, tmp_path: Path) -> None:
+    """--prefill times one prompt per length on the same runner; its GFLOP/s is roofline's count
+    over the median time, and the share of the peak divides by the --limits row."""
+    from common.tools.roofline import Shape, prefill_flops
+
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"rows": [{"threads": 1, "read_gbs": 10.0, "fp32_gflops": 20.0}]}))
+    out = tmp_path / "prefill.json"
+    rc = bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "", "--prefill", "40,8",
+                                 "--prefill-repeat", "3", "--limits", str(limits), "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == []  # no decode steps asked for
+    shape = Shape.from_config(json.loads((Path(tiny_qwen3) / "config.json").read_text()))
+    for row, n in zip(doc["prefill"], [40, 8]):
+        assert row["tokens"] == n and row["min_s"] <= row["median_s"] <= row["max_s"]
+        assert row["gflops"] == pytest.approx(prefill_flops(shape, n) / row["median_s"] / 1e9)
+        assert row["of_peak"] == pytest.approx(row["gflops"] / 20.0)
+    assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "", "--prefill", "0"]) == 2
+    assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", ""]) == 2

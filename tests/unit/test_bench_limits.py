@@ -16,6 +16,7 @@ def test_small_run_writes_positive_numbers(tmp_path: Path, capsys: pytest.Captur
     (row,) = data["rows"]
     assert row["threads"] == 1 and row["read_gbs"] > 0 and row["fp32_gflops"] > 0
     assert "fp32 GFLOP/s" in capsys.readouterr().out
+    assert set(data["isa"]) >= {"avx2", "bf16", "int8"} and data["bf16"] == data["isa"]["bf16"]
 
 
 def test_bad_flags_are_refused() -> None:
@@ -30,3 +31,15 @@ def test_for_threads_picks_largest_not_above() -> None:
     assert bench_limits.for_threads(limits, 2)["threads"] == 1
     assert bench_limits.for_threads(limits, 8)["threads"] == 4
     assert bench_limits.for_threads({"rows": [{"threads": 2}]}, 1)["threads"] == 2
+
+
+def test_cpu_isa_reads_the_flags_line() -> None:
+    """Reduced precision is offered only where the instructions are: this box's AMD EPYC (AVX2, no
+    AVX-512) has neither bf16 nor int8; a Sapphire Rapids line has both."""
+    epyc = "processor\t: 0\nflags\t\t: fpu sse2 avx fma avx2 bmi2 sha_ni vaes\nbogomips\t: 4890\n"
+    isa = bench_limits.cpu_isa(epyc)
+    assert isa["avx2"] and isa["fma"] and not isa["avx512f"] and not isa["bf16"] and not isa["int8"]
+    spr = "flags\t\t: avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8 amx_tile\n"
+    isa = bench_limits.cpu_isa(spr)
+    assert isa["bf16"] and isa["int8"] and isa["amx_bf16"]
+    assert bench_limits.cpu_isa("flags\t: avx2 avx_vnni\n")["int8"] and not bench_limits.cpu_isa("")["avx2"]
