@@ -10,7 +10,7 @@ qwen3; one cluster for the module, with a cluster secret (sealed events, signed 
                         prefill holding its history
     test_chat_*         chat turns: the router renders the chat template as the nodes do
     test_decode_*       a conversation's next turn goes to the decode holding it, which reuses
-                        exactly the tokens the router predicted
+                        exactly the tokens the router predicted; /flush_cache clears both roles
     test_restarted_*    a new router process resyncs from the snapshots and routes as before
 """
 from __future__ import annotations
@@ -245,3 +245,13 @@ def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: Loca
     assert hits[0] == 0 and hits[1] >= 2 * PAGE, hits
     for d in decodes:
         wait_idle(d, secret=SECRET)
+    # /flush_cache through the router clears both roles' caches; each node publishes "cleared"
+    # and the router's index of it empties.
+    nodes = [n.url for n in (*kv_cluster.prefills, *kv_cluster.decodes)]
+    cleared = {n: node_metric(n, "pdc_scheduler_kv_events_cleared_total") for n in nodes}
+    assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+    assert all(node_metric(n, "pdc_scheduler_kv_events_cleared_total") == cleared[n] + 1 for n in nodes)
+    deadline = time.monotonic() + 30
+    while any(samples(metrics(url), "pdc_router_kv_index_blocks").values()):
+        assert time.monotonic() < deadline, "the router's index kept blocks after /flush_cache"
+        time.sleep(0.1)
