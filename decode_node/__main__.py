@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if built is None:
         return 2
     cfg, api_cfg = built
-    return run_node(cfg, api_cfg, DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests, kv_events=cfg.kv_events),
-                    exit_with_scheduler=True)
+    part = DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests, kv_events=cfg.kv_events)
+    return run_node(cfg, api_cfg, part, exit_with_scheduler=True)
 
 
 if __name__ == "__main__":
