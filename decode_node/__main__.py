@@ -17,11 +17,13 @@ from dataclasses import replace
 from common import envs
 from common.config import ConfigError, NodeConfig, SchedulerConfig
 from common.node.launch import (
+    add_kv_events_flags,
     add_node_flags,
     attention_config,
     cache_config,
     cpu_slice,
     grammar_config,
+    kv_events_config,
     model_config,
     node_config,
     parallel_config,
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a later request that starts with it (the next turn of a conversation) has only the rest "
                         "of its prompt's KV sent (decode_prefix_len); off by default, as in SGLang; ignored for "
                         "models with recurrent state")
+    add_kv_events_flags(p)  # published only with the prefix cache on
     return p
 
 
@@ -71,6 +74,7 @@ def config_from_args(a: argparse.Namespace) -> NodeConfig:
         server=server_config(a),
         cpu=cpu_slice(a),
         parallel=parallel_config(a),
+        kv_events=kv_events_config(a, prefix_cache=a.disaggregation_decode_enable_radix_cache),
         grammar=grammar_config(a),
     )
 
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if built is None:
         return 2
     cfg, api_cfg = built
-    return run_node(cfg, api_cfg, DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests), exit_with_scheduler=True)
+    part = DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests, kv_events=cfg.kv_events)
+    return run_node(cfg, api_cfg, part, exit_with_scheduler=True)
 
 
 if __name__ == "__main__":

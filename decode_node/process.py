@@ -5,15 +5,17 @@ beyond ``max_running_requests`` (``prealloc_rows``) so rooms can pre-allocate an
 the running batch is full, one aux row per request row, a prefix cache only when asked for
 (``--disaggregation-decode-enable-radix-cache``: finished requests' pages serve the next turn of
 a conversation; docs/ARCHITECTURE.md, "Decode node"), and its scheduler is ``DecodeScheduler`` with its
-memory budget.
+memory budget. With its prefix cache on, the cache publishes KV events as the prefill's does
+(``common/node/kv_events.py``; flushed after every loop turn by ``DecodeStats.observe_step``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from common import envs
-from common.config import CacheConfig, SchedulerConfig, TransferConfig
+from common.config import CacheConfig, KVEventsConfig, SchedulerConfig, TransferConfig
+from common.node.kv_events import publisher_info, start_publisher
 
 # The scheduler's side (torch, the model) is imported in the build_* methods only: the API process
 # builds this part and pickles it to the spawned ranks, and need not import torch for that.
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from common.node.tp_step import RankAgreement
     from common.engine.model_runner import ModelRunner
     from common.grammar.cache import GrammarCache
+    from common.kvcache.kv_event_log import KVEventPublisher
     from common.sched.stop import StopChecker
     from transfer.aux import AuxPool
     from transfer.decode import DecodeKVManager
@@ -35,6 +38,7 @@ class DecodePart:
     transfer: TransferConfig
     max_running_requests: int  # the node's --max-running-requests (CacheConfig's)
     role: str = "decode"
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # published only with the prefix cache on
 
     @property
     def rows(self) -> int:
@@ -52,6 +56,7 @@ class DecodePart:
         from transfer.aux import AuxPool
         from transfer.factory import build_decode_manager, node_kv_args
 
+        self._host = host  # the KV-event socket binds it too (build_scheduler)
         self._aux: AuxPool = AuxPool(self.rows, top_k=self.transfer.aux_top_k)
         # Where slices from a prefill of another TP size land before they are copied into the
         # room's pages; a room that does not fit fails at once (503, the router retries).
@@ -85,7 +90,15 @@ class DecodePart:
             agree_all=agreement.agree_all, grammars=grammars)
         lay = runner.kv_pool.layout
         page_nbytes = 2 * lay.num_layers * lay.bytes_per_page_per_layer  # K and V of every layer
-        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms, page_nbytes=page_nbytes)
+        self._events: KVEventPublisher | None = start_publisher(self.kv_events, self.role, runner, self._host,
+                                                                self.transfer.cluster_secret)
+        return scheduler, DecodeStats(scheduler, self._aux.num_slots, rooms.num_rooms, page_nbytes=page_nbytes,
+                                      kv_events=self._events.log if self._events else None)
 
     def ready_info(self) -> dict:
-        return {"running_rows": self.max_running_requests, "prealloc_rows": self.rows - self.max_running_requests}
+        return {"running_rows": self.max_running_requests, "prealloc_rows": self.rows - self.max_running_requests,
+                **publisher_info(self._events)}
+
+    def close(self) -> None:
+        if getattr(self, "_events", None) is not None:
+            self._events.close()

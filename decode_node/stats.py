@@ -7,33 +7,47 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from common.ipc.node_io import RateMeter
+from common.node.kv_events import snapshot_reply
 from decode_node.scheduler import DecodeScheduler
+
+if TYPE_CHECKING:
+    from common.kvcache.kv_event_log import KVEventLog
 
 
 class DecodeStats:
     def __init__(self, sched: DecodeScheduler, aux_total_slots: int, transfer_rooms: Callable[[], int] | None = None,
-                 page_nbytes: int = 0) -> None:
+                 page_nbytes: int = 0, kv_events: KVEventLog | None = None) -> None:
         """``page_nbytes``: bytes of one KV page of this rank (every layer, K and V), what one
-        transferred page moved over the wire to it."""
+        transferred page moved over the wire to it. ``kv_events``: the prefix cache's event log
+        (rank 0 with the cache on), flushed after every loop turn."""
         self.sched = sched
         self.page_nbytes = page_nbytes
         self.aux_total_slots = aux_total_slots
         self._transfer_rooms = transfer_rooms
         self.throughput = RateMeter()
         self._seen_tokens = self._seen_steps = 0
+        self._events = kv_events
 
     def observe_step(self, turn_s: float) -> None:
         """After each loop turn (``common.node.contract``): feeds the throughput window, and a turn
         that ran a decode step adds to ``decode_step_seconds`` (the whole turn: input, queues,
-        forward, stop checks, output IPC; minus the forward it is the per-step overhead)."""
+        forward, stop checks, output IPC; minus the forward it is the per-step overhead), and
+        publishes the turn's KV events (one batch, non-blocking)."""
         c = self.sched.counters
         self.throughput.add(c.generated_tokens - self._seen_tokens)
         self._seen_tokens = c.generated_tokens
         if c.decode_steps != self._seen_steps:
             self._seen_steps = c.decode_steps
             c.decode_step_seconds += turn_s
+        if self._events is not None:
+            self._events.flush()
+
+    def kv_snapshot(self) -> dict:
+        """Every block the prefix cache holds and the event ``seq`` that includes them (GET /kv_events/snapshot)."""
+        return snapshot_reply(self._events)
 
     def queued(self) -> int:
         return self.sched.queues.num_queued()
@@ -87,7 +101,7 @@ class DecodeStats:
             "pdc_decode_transferred_bytes_total": float(s.counters.transferred_pages * self.page_nbytes),
             "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
             **(s.grammars.metrics() if s.grammars is not None else {}),
-        }
+        } | ({} if self._events is None else self._events.metrics())
 
     def _fenced(self) -> dict[str, int]:
         """Failed rooms whose memory stays held while their prefill may still write (never free,

@@ -24,15 +24,17 @@ import logging
 import sys
 
 from common import envs
-from common.config import KVEventsConfig, NodeConfig, SchedulerConfig
+from common.config import NodeConfig, SchedulerConfig
 from common.node.launch import (
     SchedulerChild,
     StartupError,
+    add_kv_events_flags,
     add_node_flags,
     attention_config,
     cache_config,
     cpu_slice,
     grammar_config,
+    kv_events_config,
     model_config,
     node_config,
     parallel_config,
@@ -55,9 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most prompt tokens per forward {d}")
     p.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm"), help=f"waiting queue order {d}")
     p.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--kv-events-port", type=int, default=KVEventsConfig.port,
-                   help=f"port of the prefix cache's KV-event PUB socket (0: a free one; /server_info says which) {d}")
-    p.add_argument("--disable-kv-events", action="store_true", help="publish no KV events")
+    add_kv_events_flags(p)
     return p
 
 
@@ -73,8 +73,7 @@ def config_from_args(ns: argparse.Namespace) -> NodeConfig:
         server=server_config(ns),
         cpu=cpu_slice(ns),
         parallel=parallel_config(ns),
-        kv_events=KVEventsConfig(enabled=not ns.disable_kv_events and not ns.disable_radix_cache,
-                                 port=ns.kv_events_port),
+        kv_events=kv_events_config(ns, prefix_cache=not ns.disable_radix_cache),
         grammar=grammar_config(ns),
     )
 

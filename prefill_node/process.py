@@ -3,8 +3,9 @@
 What differs from the decode: its KV manager sends (``PrefillKVManager``, registered with the
 node's own bootstrap server), its aux rows only give the layout the decode's rows must match (the
 transfer workers stage each record in rows of their own), its scheduler is ``PrefillScheduler``,
-and its prefix cache publishes KV events (``common/kvcache/kv_event_log.py``; flushed after every
-loop turn by ``PrefillStats.observe_step``, so the scheduler's step is untouched).
+and its prefix cache is on by default. The cache publishes KV events as the decode's does
+(``common/node/kv_events.py``; flushed after every loop turn by ``PrefillStats.observe_step``, so
+the scheduler's step is untouched).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from common import envs
 from common.config import CacheConfig, KVEventsConfig, SchedulerConfig, TransferConfig
+from common.node.kv_events import publisher_info, start_publisher
 
 # The scheduler's side (torch, the model) is imported in the build_* methods only: the API process
 # builds this part and pickles it to the spawned ranks, and need not import torch for that.
@@ -82,25 +84,11 @@ class PrefillPart:
         rooms = agreed_manager(manager, agreement)  # TP: handles whose states every rank reads the same
         scheduler = PrefillScheduler(engine, runner.memory, rooms.create_sender, stop, cfg, clock=agreement.clock,
                                      grammars=grammars)
-        self._events: KVEventPublisher | None = None
-        cache = runner.memory.cache
-        # Rank 0 alone publishes: every rank's cache holds the same blocks (same steps, same inputs).
-        if self.kv_events.enabled and cache.enabled and runner.tp.is_first:
-            from common.kvcache.kv_event_log import KVEventPublisher
-
-            # Before the first insert: the log names cached pages by the hashes it recorded.
-            self._events = KVEventPublisher(self.role, cache.page_size, self._host, self.kv_events.port,
-                                            self.transfer.cluster_secret)
-            cache.events = self._events.log
+        self._events = start_publisher(self.kv_events, self.role, runner, self._host, self.transfer.cluster_secret)
         return scheduler, PrefillStats(scheduler, rooms.num_rooms, self._events.log if self._events else None)
 
     def ready_info(self) -> dict:
-        info: dict = {"control_endpoint": self._manager.endpoint}
-        if self._events is not None:
-            import msgspec
-
-            info["kv_events"] = msgspec.to_builtins(self._events.info)
-        return info
+        return {"control_endpoint": self._manager.endpoint, **publisher_info(self._events)}
 
     def close(self) -> None:
         if getattr(self, "_events", None) is not None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from common.ipc.node_io import RateMeter
+from common.node.kv_events import snapshot_reply
 from prefill_node.scheduler import PrefillScheduler
 
 if TYPE_CHECKING:
@@ -39,9 +38,7 @@ class PrefillStats:
 
     def kv_snapshot(self) -> dict:
         """Every block the prefix cache holds and the event ``seq`` that includes them (GET /kv_events/snapshot)."""
-        if self._events is None:
-            return {"error": "this node publishes no KV events (--disable-kv-events or no prefix cache)"}
-        return msgspec.to_builtins(self._events.snapshot())
+        return snapshot_reply(self._events)
 
     def _held_pages(self, inflight_only: bool = False) -> int:
         """Pages the requests own. Their cached prefix pages are the cache's (counted in

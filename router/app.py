@@ -27,7 +27,7 @@ import logging
 import signal
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -60,25 +60,28 @@ class Router:
     def __init__(self, cfg: RouterConfig, session: aiohttp.ClientSession) -> None:
         self.cfg = cfg
         self.session = session
-        # Exact cache-aware routing needs the model's tokenizer; the prefills' KV events feed it.
-        exact = cfg.tokenizer_path is not None and cfg.prefill_policy == "cache-aware"
+        # Exact cache-aware routing needs the model's tokenizer; the nodes' KV events feed it: the
+        # prefills' for the prefill pick, the decodes' (their prefix cache) for the decode pick.
+        exact = tuple(role for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy))
+                      if cfg.tokenizer_path is not None and name == "cache-aware")
         if cfg.tokenizer_path is not None and not exact:
-            logging.getLogger("router").warning("--tokenizer-path is used only by the cache-aware prefill policy; "
-                                                "the prefill policy is %s", cfg.prefill_policy)
+            logging.getLogger("router").warning("--tokenizer-path is used only by the cache-aware policies; "
+                                                "the policies are %s (prefill) and %s (decode)",
+                                                cfg.prefill_policy, cfg.decode_policy)
         self.tokenizer = PromptTokenizer(cfg.tokenizer_path) if exact and cfg.tokenizer_path else None
         self.kv_index = KVIndex() if exact else None
-        self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache, self.kv_index),
-                         "decode": make_policy(cfg.decode_policy, cfg.cache)}
+        self.policies = {role: make_policy(name, cfg.cache, self.kv_index if role in exact else None, role)
+                         for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy))}
         self.workers = Workers(cfg.workers, cfg.health_failure_threshold, self._forget, cfg.cluster_secret)
         self.rooms = Rooms()
         self.metrics = RouterMetrics(self.workers.all)
         self.kv_subscriptions: KVSubscriptions | None = None
-        prefill_policy = self.policies["prefill"]
-        if self.kv_index is not None and isinstance(prefill_policy, ExactCacheAware):
-            self.metrics.watch_kv(self.kv_index, lambda: dict(prefill_policy.picks))
+        if self.kv_index is not None:
+            picks = {role: _counts(p) for role, p in self.policies.items() if isinstance(p, ExactCacheAware)}
+            self.metrics.watch_kv(self.kv_index, picks)
             self.kv_subscriptions = KVSubscriptions(
                 self.workers, self.kv_index, session, cfg.cluster_secret, cfg.kv_events_stale_s,
-                lambda url, verdict: self.metrics.kv_events.labels(url, verdict).inc())
+                lambda url, verdict: self.metrics.kv_events.labels(url, verdict).inc(), roles=exact)
         self.forwarder = Forwarder(self.workers, self.policies, self.rooms, session,
                                    ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s),
                                    self.metrics)
@@ -88,6 +91,10 @@ class Router:
     def _forget(self, url: str) -> None:
         for policy in self.policies.values():
             policy.forget(url)
+
+
+def _counts(policy: ExactCacheAware) -> Callable[[], dict[str, int]]:
+    return lambda: dict(policy.picks)
 
 
 STATE = web.AppKey("router", Router)

@@ -80,7 +80,7 @@ class RouterConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     max_n: int = MAX_N  # samples (OpenAI n) per prompt; more is a 400 here, before any node sees it
     # The model's tokenizer.json (or its directory): with it, cache-aware routes on token blocks
-    # and the prefills' KV events (router/kv_subscriber.py); without, on the character tree.
+    # and the nodes' KV events (router/kv_subscriber.py); without, on the character tree.
     tokenizer_path: str | None = None
     kv_events_stale_s: float = 3.0  # a KV-event subscription silent this long is lost (heartbeats: 1 s)
 
@@ -199,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a request body not in this long after its head is a 408 (default: %(default)s)")
     ap.add_argument("--max-n", type=int, default=MAX_N, help="most samples (n) per prompt (default: %(default)s)")
     ap.add_argument("--tokenizer-path", metavar="PATH", help="the model's tokenizer.json or its directory: "
-                    "cache-aware then predicts each prefill's cache hit exactly from its KV events (without: "
-                    "a character prefix tree of the prompts it routed)")
-    ap.add_argument("--kv-events-stale-s", type=float, default=3.0, help="a prefill's KV-event subscription "
+                    "cache-aware then predicts each worker's cache hit exactly from its KV events (the prefills', and "
+                    "the decodes' for a cache-aware decode policy; without: a character prefix tree of the prompts "
+                    "it routed)")
+    ap.add_argument("--kv-events-stale-s", type=float, default=3.0, help="a node's KV-event subscription "
                     "silent this long is lost; that node is routed by load until resynced (default: %(default)s)")
     return ap
 

@@ -195,6 +195,7 @@ class Forwarder:
                             else:
                                 p_answer = outcome
                     assert d_resp is not None
+                    self._decode_prediction(d, info, key)
                     if not info.stream:
                         try:
                             raw = await d_resp.read()
@@ -255,6 +256,16 @@ class Forwarder:
                 if predicted != reported:
                     log.debug("prefill %s: predicted %d cached tokens, it reported %d", p.url, predicted, reported)
         return answer
+
+    def _decode_prediction(self, d: Worker, info: RequestInfo, key: RouteKey | None) -> None:
+        """The decode took the request (its 200): the prefix hit predicted for it is what it reused
+        (it chose its cached prefix before answering), so the decode's
+        ``pdc_decode_reused_tokens_total`` grows by the same (single-sequence requests only)."""
+        if key is None or key.tokens is None or info.sequences != 1:
+            return
+        predicted = key.decode_predicted.get(d.url)
+        if predicted is not None:
+            self._metrics.kv_decode_predicted.inc(predicted)
 
     async def _open(self, d: Worker, path: str, body: dict) -> aiohttp.ClientResponse | Failure:
         """The decode's response once its status line is in (its body still to read), or why not."""

@@ -1,7 +1,8 @@
 """The router's per-worker index of cached blocks, fed by the nodes' KV events (common/kv_events.py).
 
-One ``WorkerIndex`` per prefill node: the set of block hashes its radix cache holds, the
-publisher instance and the ``seq`` of the last batch applied. Plain data in, a verdict out: the
+One ``WorkerIndex`` per subscribed node (prefills, and decodes when the decode pick is exact):
+the set of block hashes its radix cache holds, the publisher instance and the ``seq`` of the
+last batch applied. Plain data in, a verdict out: the
 subscriber (router/kv_subscriber.py) does the I/O and acts on the verdict::
 
     unsynced --load(snapshot)--> synced --apply(batch seq = last + 1)--> synced
@@ -102,7 +103,7 @@ class WorkerIndex:
 
 
 class KVIndex:
-    """Every prefill worker's ``WorkerIndex``, by URL."""
+    """Every subscribed worker's ``WorkerIndex``, by URL (URLs are unique across roles)."""
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerIndex] = {}

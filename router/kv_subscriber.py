@@ -1,7 +1,8 @@
-"""The router's subscriptions to its prefill nodes' KV events (common/kv_events.py), feeding the
-index the exact cache-aware policy reads (router/kv_index.py).
+"""The router's subscriptions to its nodes' KV events (common/kv_events.py), feeding the index the
+exact cache-aware policies read (router/kv_index.py): the prefills', and the decodes' too when the
+decode policy is exact (a decode publishes only with its prefix cache on).
 
-    every 0.5 s: healthy prefill workers (proven, not draining) without a subscription get one;
+    every 0.5 s: healthy workers of those roles (proven, not draining) without a subscription get one;
                  a subscription whose worker left rotation is cancelled and its index cleared
     one subscription:
         GET /server_info -> kv_events.endpoint (none: the node publishes nothing; look again later)
@@ -33,7 +34,7 @@ from router.workers import Workers
 
 log = logging.getLogger("router.kv_events")
 
-SCAN_S = 0.5  # how often the set of subscriptions follows the set of healthy prefill workers
+SCAN_S = 0.5  # how often the set of subscriptions follows the set of healthy workers
 RETRY_S = 2.0  # pause before a failed subscription starts again
 _RCVHWM = 100_000
 
@@ -44,8 +45,10 @@ class Silent(Exception):
 
 class KVSubscriptions:
     def __init__(self, workers: Workers, index: KVIndex, session: aiohttp.ClientSession, secret: str | None,
-                 stale_s: float, count: Callable[[str, str], None], timeout_s: float = 10.0) -> None:
+                 stale_s: float, count: Callable[[str, str], None], timeout_s: float = 10.0,
+                 roles: tuple[str, ...] = ("prefill",)) -> None:
         self._workers = workers
+        self._roles = roles  # whose events the policies read
         self._index = index
         self._session = session
         self._secret = secret
@@ -67,7 +70,7 @@ class KVSubscriptions:
             self._ctx.destroy(linger=0)
 
     def scan(self) -> None:
-        want = {w.url for w in self._workers.candidates("prefill")}
+        want = {w.url for role in self._roles for w in self._workers.candidates(role)}
         for url in list(self._tasks):
             if url not in want or self._tasks[url].done():
                 self._tasks.pop(url).cancel()

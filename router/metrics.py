@@ -8,7 +8,8 @@
     pdc_router_request_seconds{endpoint}              arrival -> last byte to the client
     pdc_router_worker_{healthy,inflight,load,routed}{worker,role}   read from the worker set at scrape
 
-With ``--tokenizer-path`` (exact cache-aware routing, router/kv_index.py):
+With ``--tokenizer-path`` (exact cache-aware routing, router/kv_index.py; the decode ones with
+``--decode-policy cache-aware``):
 
     pdc_router_kv_events_total{worker,verdict}        KV-event frames and subscription events: applied,
                                                       heartbeat, buffered, snapshot; dropped: malformed,
@@ -19,7 +20,11 @@ With ``--tokenizer-path`` (exact cache-aware routing, router/kv_index.py):
                                                       cached tokens: exact, over, under (the prediction)
     pdc_router_kv_predicted_tokens_total              predicted cache hits (tokens) of those requests
     pdc_router_kv_reported_cached_tokens_total        cached tokens their prefills reported
-    pdc_router_kv_index_{blocks,synced}{worker}       the index per prefill, read at scrape
+    pdc_router_kv_decode_picks_total{mode}            decode picks: the same modes
+    pdc_router_kv_decode_predicted_tokens_total       predicted decode prefix hits (tokens) of single-sequence
+                                                      requests a decode took: what they should add to its
+                                                      pdc_decode_reused_tokens_total
+    pdc_router_kv_index_{blocks,synced}{worker}       the index per worker (prefill or decode), read at scrape
 
 ``RecentLatency`` keeps the last minute of streamed requests' TTFT and TPOT per worker for the
 live page (router/dashboard.py); Prometheus users get the same from the histograms.
@@ -64,23 +69,27 @@ class _WorkerCollector(Collector):
 
 
 class _KVCollector(Collector):
-    def __init__(self, index: KVIndex, picks: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, index: KVIndex, picks: dict[str, Callable[[], dict[str, int]]]) -> None:
         self._index = index
-        self._picks = picks
+        self._picks = picks  # by role: each exact policy's picks by mode
 
     def collect(self) -> Iterator:
-        blocks = GaugeMetricFamily("pdc_router_kv_index_blocks", "blocks the prefill's cache holds, per the "
+        blocks = GaugeMetricFamily("pdc_router_kv_index_blocks", "blocks the worker's cache holds, per the "
                                    "router's index", labels=["worker"])
-        synced = GaugeMetricFamily("pdc_router_kv_index_synced", "1 while the index follows the prefill's "
+        synced = GaugeMetricFamily("pdc_router_kv_index_synced", "1 while the index follows the worker's "
                                    "events", labels=["worker"])
         for url, idx in sorted(self._index.workers.items()):
             blocks.add_metric([url], len(idx.blocks))
             synced.add_metric([url], float(idx.synced))
-        picks = CounterMetricFamily("pdc_router_kv_picks", "prefill picks of exact cache-aware routing by mode "
-                                    "(unsynced and no_tokens went by load)", labels=["mode"])
-        for mode, n in sorted(self._picks().items()):
-            picks.add_metric([mode], n)
-        yield from (blocks, synced, picks)
+        yield from (blocks, synced)
+        for role, name in (("prefill", "pdc_router_kv_picks"), ("decode", "pdc_router_kv_decode_picks")):
+            if role not in self._picks:
+                continue
+            picks = CounterMetricFamily(name, f"{role} picks of exact cache-aware routing by mode "
+                                        "(unsynced and no_tokens went by load)", labels=["mode"])
+            for mode, n in sorted(self._picks[role]().items()):
+                picks.add_metric([mode], n)
+            yield picks
 
 
 class RecentLatency:
@@ -179,8 +188,11 @@ class RouterMetrics:
                                     registry=r)
         self.kv_reported = Counter("pdc_router_kv_reported_cached_tokens", "cached tokens the prefills reported "
                                    "for the same requests", registry=r)
+        self.kv_decode_predicted = Counter("pdc_router_kv_decode_predicted_tokens", "predicted decode prefix hits "
+                                           "(tokens) of single-sequence requests a decode took", registry=r)
 
-    def watch_kv(self, index: KVIndex, picks: Callable[[], dict[str, int]]) -> None:
+    def watch_kv(self, index: KVIndex, picks: dict[str, Callable[[], dict[str, int]]]) -> None:
+        """``picks``: by role, the exact policies' picks by mode."""
         self.registry.register(_KVCollector(index, picks))
 
     def prediction(self, predicted: int, reported: int) -> None:

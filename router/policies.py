@@ -112,7 +112,7 @@ class CacheAware(Policy):
 
 
 class ExactCacheAware(Policy):
-    """With a tokenizer and the nodes' KV events (router/kv_index.py): the worker that must compute
+    """With a tokenizer and the nodes' KV events (router/kv_index.py): the prefill that must compute
     the fewest tokens for this prompt, counting what it has queued.
 
     Among the candidates whose load is within ``balance_abs_threshold`` requests of the least
@@ -126,15 +126,21 @@ class ExactCacheAware(Policy):
     URL): a prediction from a stale index would be a guess.
     """
 
+    role = "prefill"
+
     def __init__(self, cfg: CacheAwareConfig, index: KVIndex) -> None:
         self._cfg = cfg
         self._index = index
         self.picks: Counter[str] = Counter()  # by mode: exact, no_tokens, unsynced (a metric)
 
+    def cost(self, w: Worker, prompt_tokens: int, hit: int) -> int:
+        """What choosing ``w`` costs (lower wins): the tokens it must compute, its queue included."""
+        return prompt_tokens - hit + w.queued_tokens
+
     def pick(self, candidates: list[Worker], key: str | RouteKey | None) -> Worker:
         by_load = min(candidates, key=lambda w: (w.load, w.url))
         if isinstance(key, RouteKey):
-            key.predicted.clear()  # a retry's pick: only this one's predictions count
+            key.predictions(self.role).clear()  # a retry's pick: only this one's predictions count
         if not isinstance(key, RouteKey) or key.tokens is None:
             self.picks["no_tokens"] += 1
             return by_load
@@ -143,6 +149,7 @@ class ExactCacheAware(Policy):
             self.picks["unsynced"] += 1
             return by_load
         n = len(key.tokens)
+        predicted = key.predictions(self.role)
         best: tuple[int, int, int, str] | None = None
         choice = by_load
         for w, idx in zip(candidates, indexes):
@@ -150,12 +157,28 @@ class ExactCacheAware(Policy):
             if w.load - by_load.load > self._cfg.balance_abs_threshold:
                 continue
             hit = idx.matched_blocks(key.hashes(idx.block_size)) * idx.block_size
-            key.predicted[w.url] = hit
-            rank = (n - hit + w.queued_tokens, w.load, rendezvous(w.url, key.salt()), w.url)
+            predicted[w.url] = hit
+            rank = (self.cost(w, n, hit), w.load, rendezvous(w.url, key.salt()), w.url)
             if best is None or rank < best:
                 best, choice = rank, w
         self.picks["exact"] += 1
         return choice
+
+
+class ExactDecodeCacheAware(ExactCacheAware):
+    """The decode side of exact routing: the decode whose prefix cache (its KV events) holds the
+    longest prefix of the prompt, so the prefill sends it only the rest (``decode_prefix_len``).
+
+    The same load bound, tie-breaks and fallbacks as the prefill's pick; the cost is only the
+    hit (a decode computes no prompt tokens: what it holds is what is not sent). The predicted
+    hit is what the decode reuses: it matches the prompt as the prefill does, whole pages with
+    the last token always sent (``RouteKey.hashes``).
+    """
+
+    role = "decode"
+
+    def cost(self, w: Worker, prompt_tokens: int, hit: int) -> int:
+        return -hit
 
 
 def rendezvous(url: str, salt: int) -> int:
@@ -163,7 +186,8 @@ def rendezvous(url: str, salt: int) -> int:
     return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8, key=salt.to_bytes(8, "little")).digest(), "little")
 
 
-def make_policy(name: str, cache: CacheAwareConfig, index: KVIndex | None = None) -> Policy:
+def make_policy(name: str, cache: CacheAwareConfig, index: KVIndex | None = None, role: str = "prefill") -> Policy:
+    """``index``: the nodes' KV events, for exact cache-aware routing of ``role``'s pick."""
     if name == "least-loaded":
         return LeastLoaded()
     if name == "power-of-two":
@@ -173,5 +197,7 @@ def make_policy(name: str, cache: CacheAwareConfig, index: KVIndex | None = None
     if name == "random":
         return Random()
     if name == "cache-aware":
-        return CacheAware(cache) if index is None else ExactCacheAware(cache, index)
+        if index is None:
+            return CacheAware(cache)
+        return ExactCacheAware(cache, index) if role == "prefill" else ExactDecodeCacheAware(cache, index)
     raise ValueError(f"unknown policy {name!r}")

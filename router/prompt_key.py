@@ -28,8 +28,13 @@ _GIL_FREE_CHARS = 16384  # longer texts are encoded through encode_batch (GIL re
 class RouteKey:
     text: str | None  # the character tree's key (router/parse.py)
     tokens: list[int] | None  # the prompt's token ids; None: not known (no tokenizer, or untokenizable)
-    predicted: dict[str, int] = field(default_factory=dict)  # worker URL -> predicted cached tokens
+    predicted: dict[str, int] = field(default_factory=dict)  # prefill URL -> predicted cached tokens
+    decode_predicted: dict[str, int] = field(default_factory=dict)  # decode URL -> predicted reused tokens
     _hashes: dict[int, list[int]] = field(default_factory=dict)
+
+    def predictions(self, role: str) -> dict[str, int]:
+        """The last pick's predicted hits per worker of ``role`` (each role's pick keeps its own)."""
+        return self.predicted if role == "prefill" else self.decode_predicted
 
     def salt(self) -> int:
         """The prompt's first 16 tokens, hashed: what the tie-break between equal workers keys on

@@ -43,6 +43,7 @@ from common.config import (
     CacheConfig,
     ConfigError,
     GrammarConfig,
+    KVEventsConfig,
     ModelConfig,
     NodeConfig,
     ParallelConfig,
@@ -135,6 +136,19 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
                    help=f"threads compiling grammars and computing the batch's token masks {d}")
     p.add_argument("--grammar-compile-timeout-s", type=float, default=GrammarConfig.compile_timeout_s,
                    help=f"a request whose grammar has not compiled this long after it arrived fails (400) {d}")
+
+
+def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
+    """The prefix cache's KV events (common/node/kv_events.py); both roles, published only while
+    the node's prefix cache is on."""
+    d = "(default: %(default)s)"
+    p.add_argument("--kv-events-port", type=int, default=KVEventsConfig.port,
+                   help=f"port of the prefix cache's KV-event PUB socket (0: a free one; /server_info says which) {d}")
+    p.add_argument("--disable-kv-events", action="store_true", help="publish no KV events")
+
+
+def kv_events_config(ns: argparse.Namespace, *, prefix_cache: bool) -> KVEventsConfig:
+    return KVEventsConfig(enabled=prefix_cache and not ns.disable_kv_events, port=ns.kv_events_port)
 
 
 def grammar_config(ns: argparse.Namespace) -> GrammarConfig:

@@ -77,7 +77,7 @@ class RolePart(Protocol):
     role: str  # "prefill" | "decode"
 
     def cache_config(self, cache: CacheConfig) -> CacheConfig:
-        """The KV cache this role needs (the decode adds request rows and turns the prefix cache off)."""
+        """The KV cache this role needs (the decode adds request rows)."""
         ...
 
     def build_transfer(self, runner: ModelRunner, host: str) -> TransferManager:

@@ -1,13 +1,16 @@
-"""Exact cache-aware routing end to end: two prefill nodes with small KV pools publish their radix
-caches' KV events; our router (``--tokenizer-path``) subscribes, indexes them and predicts each
-request's prefill cache hit. Fake data plane (no KV bytes move: routing is what is tested) and a
-tiny qwen3; one cluster for the module, with a cluster secret (sealed events, signed snapshots).
+"""Exact cache-aware routing end to end: two prefill nodes with small KV pools and two decode nodes
+with their prefix cache on publish their radix caches' KV events; our router (``--tokenizer-path``,
+cache-aware on both roles) subscribes, indexes them and predicts each request's prefill cache hit
+and decode prefix hit. Fake data plane (no KV bytes move: routing is what is tested) and a tiny
+qwen3; one cluster for the module, with a cluster secret (sealed events, signed snapshots).
 
     test_prediction_*   multi-turn conversations whose histories overflow the pools (so the caches
                         evict): for every request the router's predicted hit equals the cached
                         tokens the prefill reported (router metrics), and each turn goes to the
                         prefill holding its history
     test_chat_*         chat turns: the router renders the chat template as the nodes do
+    test_decode_*       a conversation's next turn goes to the decode holding it, which reuses
+                        exactly the tokens the router predicted; /flush_cache clears both roles
     test_restarted_*    a new router process resyncs from the snapshots and routes as before
 """
 from __future__ import annotations
@@ -67,10 +70,11 @@ def kv_cluster(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.
     cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-kv-routing")), cluster_secret=SECRET, api_key=None,
                            operator_key=None)
     try:
-        cluster.start(model_dir, backend="fake", page_size=PAGE, num_prefill=2, num_decode=1, prefill_args=POOL,
+        cluster.start(model_dir, backend="fake", page_size=PAGE, num_prefill=2, num_decode=2, prefill_args=POOL,
+                      decode_args=["--disaggregation-decode-enable-radix-cache"],
                       router_args=[*ROUTER_ARGS, "--tokenizer-path", model_dir], startup_timeout_s=180)
         ROUTER[0] = cluster.router_url  # type: ignore[assignment]
-        wait_synced(cluster.router_url, 2)  # type: ignore[arg-type]
+        wait_synced(cluster.router_url, 4)  # type: ignore[arg-type]
         yield cluster
     except BaseException:
         print(cluster.log_tails(60))
@@ -175,21 +179,79 @@ def test_restarted_router_resyncs_from_the_snapshot_and_routes_as_before(kv_clus
                          timeout=10).json()["kv_events"]
         assert info["sealed"] is True and info["endpoint"] == f"tcp://127.0.0.1:{info['port']}"
         assert httpx.get(p.url + "/kv_events/snapshot", timeout=10).status_code == 401  # no request token
-    blocks = {p.url: node_metric(p.url, "pdc_scheduler_kv_events_blocks") for p in kv_cluster.prefills}
+    nodes = [*kv_cluster.prefills, *kv_cluster.decodes]
+    blocks = {n.url: node_metric(n.url, "pdc_scheduler_kv_events_blocks") for n in nodes}
     kv_cluster.kill("router")
     kv_cluster._spawn("router", kv_cluster.argv["router"])
     deadline = time.monotonic() + 30
     while not kv_cluster._all_workers_healthy():
         assert time.monotonic() < deadline, "the router did not come back"
         time.sleep(0.2)
-    wait_synced(url, 2)
+    wait_synced(url, 4)
     text = metrics(url)
     index = {label(k, "worker"): v for k, v in samples(text, "pdc_router_kv_index_blocks").items()}
     assert index == blocks and sum(blocks.values()) > 0
     assert all(samples(text, "pdc_router_kv_events_total").get(f'verdict="snapshot",worker="{p.url}"', 0) >= 1
-               for p in kv_cluster.prefills)
+               for p in nodes)
     # The last turn of a conversation again: it goes where its history is, predicted exactly.
     before = RouterCounts.scrape(url)
     send(url, turn_text(2, 3))
     exact, predicted, reported, went = RouterCounts.scrape(url).since(before)
     assert exact == 1 and predicted == reported > 0 and blocks[went] > 0
+
+
+def decode_counts(url: str) -> tuple[float, float, dict[str, float]]:
+    """The router's exact decode picks, predicted decode hits (tokens), and requests per decode."""
+    text = metrics(url)
+    routed = {label(k, "worker"): v for k, v in samples(text, "pdc_router_worker_routed_total").items()
+              if 'role="decode"' in k}
+    return (samples(text, "pdc_router_kv_decode_picks_total").get('mode="exact"', 0.0),
+            samples(text, "pdc_router_kv_decode_predicted_tokens_total").get("", 0.0), routed)
+
+
+def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: LocalCluster) -> None:
+    """Turn 2 of a new conversation lands on the decode that served turn 1 (its prefix cache
+    holds turn 1's prompt, per its KV events), that decode reuses tokens instead of receiving
+    them, and the router predicted exactly how many (the decode's own counter is the reference)."""
+    url = kv_cluster.router_url
+    assert url is not None
+    decodes = [d.url for d in kv_cluster.decodes]
+
+    def reused() -> dict[str, float]:
+        return {d: node_metric(d, "pdc_decode_reused_tokens_total") for d in decodes}
+
+    went, hits = [], []
+    for turn in (1, 2):  # turn 1's prompt (~40 tokens) leaves two whole pages in its decode's cache
+        before_reused, (picks0, predicted0, routed0) = reused(), decode_counts(url)
+        send(url, turn_text(11, turn))
+        picks, predicted, routed = decode_counts(url)
+        (d,) = [u for u, n in routed.items() if n > routed0.get(u, 0)]
+        after = reused()
+        got = {u: after[u] - before_reused[u] for u in decodes}
+        assert picks - picks0 == 1 and predicted - predicted0 == sum(got.values()), (turn, predicted - predicted0, got)
+        went.append(d)
+        hits.append(got[d])
+        # The turn's pages reach the decode's cache when it releases the request; wait until the
+        # router's index shows what the decode's own log holds.
+        deadline = time.monotonic() + 30
+        while True:
+            held = node_metric(d, "pdc_scheduler_kv_events_blocks")
+            index = {label(k, "worker"): v for k, v in samples(metrics(url), "pdc_router_kv_index_blocks").items()}
+            if held > 0 and index.get(d) == held:
+                break
+            assert time.monotonic() < deadline, f"the router's index of {d} never caught up: {index.get(d)} vs {held}"
+            time.sleep(0.1)
+    assert went[1] == went[0], f"turn 2 left the decode holding turn 1: {went}"
+    assert hits[0] == 0 and hits[1] >= 2 * PAGE, hits
+    for d in decodes:
+        wait_idle(d, secret=SECRET)
+    # /flush_cache through the router clears both roles' caches; each node publishes "cleared"
+    # and the router's index of it empties.
+    nodes = [n.url for n in (*kv_cluster.prefills, *kv_cluster.decodes)]
+    cleared = {n: node_metric(n, "pdc_scheduler_kv_events_cleared_total") for n in nodes}
+    assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+    assert all(node_metric(n, "pdc_scheduler_kv_events_cleared_total") == cleared[n] + 1 for n in nodes)
+    deadline = time.monotonic() + 30
+    while any(samples(metrics(url), "pdc_router_kv_index_blocks").values()):
+        assert time.monotonic() < deadline, "the router's index kept blocks after /flush_cache"
+        time.sleep(0.1)

@@ -122,7 +122,9 @@ async def routed(tokenizer: str) -> AsyncIterator[tuple[FakePrefill, str, aiohtt
         raise
     d_runner, d_url = await decode_app()
     beats = asyncio.create_task(p.heartbeats())
-    cfg = parse_config(["--policy", "cache-aware", "--tokenizer-path", tokenizer, "--cluster-secret", SECRET,
+    # The prefill's subscription alone (the decode stand-in publishes nothing; a cache-aware decode
+    # policy would subscribe to it too).
+    cfg = parse_config(["--prefill-policy", "cache-aware", "--tokenizer-path", tokenizer, "--cluster-secret", SECRET,
                         "--kv-events-stale-s", "0.6", "--health-check-interval-s", "0.1",
                         "--prefill", p.url, "9000", "--decode", d_url])
     runner = web.AppRunner(create_app(cfg))

@@ -50,7 +50,7 @@ def exported() -> tuple[set[str], set[str]]:
     router.prediction(16, 16)
     from router.kv_index import KVIndex
 
-    router.watch_kv(KVIndex(), lambda: {"exact": 1})
+    router.watch_kv(KVIndex(), {"prefill": lambda: {"exact": 1}, "decode": lambda: {"exact": 1}})
     api = ApiMetrics("decode", "m")
     api.on_request("generate", 200)
     api.on_sequence(16, 0, {"prealloc": 1.0})

@@ -1,6 +1,7 @@
 """Exact cache-aware routing, router side (router/policies.py ExactCacheAware, router/prompt_key.py):
-the choice minimises tokens to compute plus queued tokens within the load bound, is the same in
-two routers, falls back to load when it cannot predict, and the router tokenizes as the nodes do."""
+the prefill choice minimises tokens to compute plus queued tokens within the load bound, the decode
+choice (ExactDecodeCacheAware) takes the longest cached prefix within it; both are the same in two
+routers, fall back to load when they cannot predict, and the router tokenizes as the nodes do."""
 from __future__ import annotations
 
 from collections import Counter
@@ -12,7 +13,7 @@ from common.kv_events import KVSnapshot, block_hashes
 from router.config import CacheAwareConfig
 from router.forward import reported_cached_tokens
 from router.kv_index import KVIndex
-from router.policies import ExactCacheAware
+from router.policies import ExactCacheAware, ExactDecodeCacheAware, make_policy
 from router.prompt_key import PromptTokenizer, RouteKey
 from router.workers import Worker
 
@@ -156,3 +157,77 @@ def test_the_router_renders_chat_templates_as_the_node_does(tiny_qwen3: str, tmp
     router = PromptTokenizer(str(other))
     assert router.prompt_ids("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}) is None
     assert router.prompt_ids("chat", {"messages": "not a list"}) is None
+
+
+# ---- the decode pick (ExactDecodeCacheAware): the decodes' prefix caches, by their KV events ----
+
+
+def decodes(*loads: int) -> list[Worker]:
+    return [Worker(f"http://d{i}", "decode", healthy=True, inflight=load) for i, load in enumerate(loads)]
+
+
+def test_the_decode_holding_the_longest_prefix_wins_within_the_load_bound() -> None:
+    idx = index_with({"http://d0": PROMPT[:8], "http://d1": PROMPT[:24], "http://d2": []})
+    policy = make_policy("cache-aware", CacheAwareConfig(balance_abs_threshold=2), idx, "decode")
+    assert isinstance(policy, ExactDecodeCacheAware)
+    k = key(PROMPT)
+    assert policy.pick(decodes(0, 0, 0), k).url == "http://d1"
+    assert k.decode_predicted == {"http://d0": 8, "http://d1": 24, "http://d2": 0} and k.predicted == {}
+    ws = decodes(0, 0, 0)
+    ws[1].queued_tokens = 10_000  # a prefill's notion: a decode computes no prompt, its queue does not count
+    assert policy.pick(ws, key(PROMPT)).url == "http://d1"
+    assert policy.pick(decodes(0, 2, 0), key(PROMPT)).url == "http://d1"  # at the bound: still a candidate
+    assert policy.pick(decodes(0, 3, 0), key(PROMPT)).url == "http://d0"  # over it: the next longest
+    assert policy.pick(decodes(1, 3, 0), key(PROMPT)).url == "http://d0"  # d0's 8 tokens beat d2's load of 0
+    assert policy.picks == Counter(exact=5)
+
+
+def test_prefill_and_decode_picks_of_one_request_keep_their_own_predictions() -> None:
+    idx = index_with({"http://p0": PROMPT[:16], "http://p1": [], "http://d0": [], "http://d1": PROMPT[:32]})
+    k = key(PROMPT)
+    prefill = make_policy("cache-aware", CacheAwareConfig(), idx, "prefill")
+    decode = make_policy("cache-aware", CacheAwareConfig(), idx, "decode")
+    assert prefill.pick(workers(0, 0), k).url == "http://p0"
+    assert decode.pick(decodes(0, 0), k).url == "http://d1"
+    assert k.predicted == {"http://p0": 16, "http://p1": 0}
+    assert k.decode_predicted == {"http://d0": 0, "http://d1": 32}
+
+
+def test_decode_picks_are_alike_in_two_routers_and_fall_back_to_load_like_the_prefills() -> None:
+    holdings = {"http://d0": list(range(40)), "http://d1": list(range(1000, 1040)), "http://d2": []}
+    a = ExactDecodeCacheAware(CacheAwareConfig(), index_with(holdings))
+    b = ExactDecodeCacheAware(CacheAwareConfig(), index_with(holdings))
+    prompts = [list(range(s, s + 30)) for s in range(0, 2000, 37)] + [list(range(40)) + [7] * i for i in range(5)]
+    picks = [a.pick(decodes(0, 1, 0), key(p)).url for p in prompts]
+    assert picks == [b.pick(decodes(0, 1, 0), key(p)).url for p in prompts]
+    cold = Counter(a.pick(decodes(0, 0, 0), key([9000 + s] * 30)).url for s in range(60))
+    assert len(cold) == 3 and min(cold.values()) >= 8, cold  # rendezvous ties: no herd on one decode
+    idx = index_with({"http://d0": PROMPT[:24]})  # d1 publishes nothing (its cache is off): never synced
+    policy = ExactDecodeCacheAware(CacheAwareConfig(), idx)
+    assert policy.pick(decodes(1, 0), key(PROMPT)).url == "http://d1"
+    assert policy.pick(decodes(1, 0), RouteKey(text="chat", tokens=None)).url == "http://d1"
+    assert policy.picks == Counter(unsynced=1, no_tokens=1)
+
+
+def test_the_predicted_decode_hit_is_what_the_decode_cache_reuses() -> None:
+    """The reference is the radix cache itself: a finished turn cached there, its events mirrored
+    into the router's index, the next turn's predicted hit equals the cache's own match (whole
+    pages, the last prompt token always sent)."""
+    from common.kv_events import EventCodec
+    from common.kvcache.allocator import PageAllocator
+    from common.kvcache.kv_event_log import KVEventLog
+    from common.kvcache.radix_cache import RadixCache
+
+    alloc = PageAllocator(64)
+    cache = RadixCache(alloc, BS)
+    cache.events = log = KVEventLog("decode", BS, EventCodec(None))
+    turn1 = list(range(500, 530)) + list(range(700, 711))  # prompt + output whose KV the decode holds
+    pages = alloc.alloc(len(turn1) // BS)
+    assert pages is not None
+    cache.insert(turn1[: len(pages) * BS], pages)
+    idx = KVIndex()
+    idx.get("http://d0").load(log.snapshot())
+    for turn2 in (turn1 + [9, 9, 9], turn1[:20], turn1[:21], turn1[:10] + [1] * 30, [42] * 20):
+        k = key(turn2)
+        ExactDecodeCacheAware(CacheAwareConfig(), idx).pick(decodes(0), k)
+        assert k.decode_predicted["http://d0"] == cache.match_prefix(turn2, max_tokens=len(turn2) - 1).num_tokens
