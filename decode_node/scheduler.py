@@ -320,9 +320,8 @@ class DecodeScheduler:
             state = [r.kv.state_slot] if r.kv.state_slot is not None else []
             # The prefill writes only the pages past our cached prefix (decode_prefix_len).
             reused = r.kv.num_cached
-            extra = {"decode_prefix_len": reused} if reused else {}  # receivers of old keep their signature
             r.receiver.init(r.kv.pages[reused // self.memory.page_size :], r.aux_slot, state, prompt_digest(r.prompt),
-                            **extra)
+                            decode_prefix_len=reused)
             r.clock.lap("prealloc")
 
     def _merge_waiting(self) -> None:
