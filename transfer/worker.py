@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import signal
 import threading
@@ -190,7 +189,9 @@ class TransferWorker:
             elif self._stop_room in rooms:
                 log.warning("fault injection: stopping this process before writing room %d", self._stop_room)
                 self._stop_room = -1  # once: the test resumes us with SIGCONT
-                os.kill(os.getpid(), signal.SIGSTOP)
+                # At this thread, not the process: a process-directed SIGSTOP is taken by the main
+                # thread when it next runs, and until then this thread went on and wrote the room.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             desc = d.concat(batch)
             if not self._engine.write(session, desc):
                 error = f"decode {session} unreachable: write of {len(desc)} descriptors failed"
