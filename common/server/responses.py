@@ -12,7 +12,7 @@ import msgspec
 
 from common.server.outputs import SubState
 from common.server.parse_common import ParsedRequest
-from common.server.tools import call_prefixes, extract_tool_calls, new_call_id, stream_safe_len
+from common.server.tools import CallScanner, extract_tool_calls, new_call_id, stream_safe_len
 from common.server.textio import TokenizerLike, token_piece
 
 DONE = b"data: [DONE]\n\n"
@@ -171,6 +171,7 @@ class StreamShaper:
         self._content_sent: dict[int, int] = {}  # chat with tools: characters of s.text sent as content
         # chat with tools: per sequence, the calls begun in the stream (characters of arguments sent each)
         self._calls_sent: dict[int, list[int]] = {}
+        self._scanners: dict[int, CallScanner] = {}  # chat with tools: each choice's calls, read as it grows
 
     def _openai(self, choice: dict) -> bytes:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
@@ -219,7 +220,7 @@ class StreamShaper:
         """A chat stream with tools: content goes out up to where a tool call starts or may start
         (``stream_safe_len``); each call goes out as it is written, as OpenAI streams them: a
         delta with its index, id and name once the name is complete, then its arguments' text in
-        fragments (``call_prefixes``). At the end the calls parsed from the whole answer (the
+        fragments (``CallScanner``). At the end the calls parsed from the whole answer (the
         non-streamed ``tool_calls``) complete what was sent, and the finish reason becomes
         ``tool_calls``. A call the answer leaves malformed (cut by max_tokens, an unknown second
         function) is not taken back: its text is not also sent as content."""
@@ -234,7 +235,10 @@ class StreamShaper:
             if upto > sent:
                 out["content"] = s.text[sent:upto]
             deltas = []
-            for k, call in enumerate(call_prefixes(s.text, self.req.tools)):
+            scanner = self._scanners.get(idx)
+            if scanner is None:
+                scanner = self._scanners[idx] = CallScanner(self.req.tools)
+            for k, call in enumerate(scanner.feed(s.text)):
                 if k == len(begun):  # its name is complete: the call's first delta
                     begun.append(len(call.args))
                     deltas.append({"index": k, "id": new_call_id(), "type": "function",

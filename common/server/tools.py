@@ -11,7 +11,7 @@
                           ``tool_calls``; ``arguments`` is the JSON text the model wrote, verbatim
     stream                ``delta.tool_calls`` as the calls are written: a call's id and name once
                           its name is complete, then its arguments' text in fragments
-                          (``call_prefixes``), so the assembled calls equal the whole answer's
+                          (``CallScanner``), so the assembled calls equal the whole answer's
 
 Two conventions, chosen by the chat template (a template that mentions ``<tool_call>`` is the
 Qwen/Hermes one)::
@@ -134,27 +134,44 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+class _ObjectScan:
+    """Where a JSON object ends, read a piece at a time: between pieces the scan keeps its depth
+    and whether it is inside a string (and just after a backslash there). Only strings and
+    braces matter: the model's JSON is checked whole by json.loads."""
+
+    __slots__ = ("depth", "in_str", "escaped", "end")
+
+    def __init__(self) -> None:
+        self.depth, self.in_str, self.escaped = 0, False, False
+        self.end: int | None = None  # one past the closing brace, from the object's start
+
+    def feed(self, piece: str, offset: int) -> None:
+        """``piece`` continues the object ``offset`` characters after its start."""
+        for i, ch in enumerate(piece):
+            if self.in_str:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = offset + i + 1
+                    return
+
+
 def _object_end(text: str) -> int | None:
     """Where the JSON object that ``text`` starts with ends (one past its ``}``), None while it is
-    still open. Only strings and braces matter: the model's JSON is checked whole by json.loads."""
-    depth, in_str, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    still open."""
+    scan = _ObjectScan()
+    scan.feed(text, 0)
+    return scan.end
 
 
 @dataclass(frozen=True)
@@ -166,50 +183,126 @@ class CallText:
     end: int  # where the text read for it ends, relative to where it began
 
 
-def _call_text(region: str, plan: ToolPlan) -> CallText | None:
-    """The call ``region`` begins with, once its name is written and known; None before that, or
-    when it does not start like a call (then it is only parsed whole, at the end)."""
-    head = _HEAD.match(region)
-    if head is None:
-        return None
-    try:
-        name = json.loads(head.group(1))
-    except ValueError:
-        return None
-    if name not in plan.params:
-        return None
-    args = region[head.end():]
-    if args and not args.startswith("{"):
-        return None
-    end = _object_end(args)
-    return CallText(name, args if end is None else args[:end], end is not None,
-                    len(region) if end is None else head.end() + end)
+class _Region:
+    """The call a region of the answer (``text[start:limit]``) begins with, kept between reads
+    of a growing answer: the head is matched again only until the arguments' first character
+    is written (white space after its colon may still grow it; it is short), then only the
+    arguments' new characters are scanned."""
+
+    __slots__ = ("start", "name", "args_at", "scan", "scanned")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.name = ""
+        self.args_at = -1  # where the arguments' "{" stands, once written
+        self.scan = _ObjectScan()
+        self.scanned = 0  # how far the scan has read
+
+    def call(self, text: str, limit: int, plan: ToolPlan) -> CallText | None:
+        """The call once its name is written and known; None before that, or when the region
+        does not start like a call (then it is only parsed whole, at the end)."""
+        if self.args_at < 0:
+            head = _HEAD.match(text, self.start, limit)
+            if head is None:
+                return None
+            try:
+                name = json.loads(head.group(1))
+            except ValueError:
+                return None
+            if name not in plan.params:
+                return None
+            if head.end() == limit:
+                return CallText(name, "", False, limit - self.start)
+            if text[head.end()] != "{":
+                return None
+            self.name, self.args_at = name, head.end()
+            self.scanned = self.args_at
+        if self.scan.end is None and limit > self.scanned:
+            self.scan.feed(text[self.scanned: limit], self.scanned - self.args_at)
+            self.scanned = limit
+        if self.scan.end is None:
+            return CallText(self.name, text[self.args_at: limit], False, limit - self.start)
+        end = self.args_at + self.scan.end
+        return CallText(self.name, text[self.args_at: end], True, end - self.start)
 
 
-def call_prefixes(text: str, plan: ToolPlan) -> list[CallText]:
-    """The calls a partial answer has begun, in order, up to the first one not (yet) streamable:
-    what a stream may send as ``delta.tool_calls`` before the answer is finished."""
-    out: list[CallText] = []
-    if plan.convention == "hermes":
-        for m in re.finditer(re.escape(HERMES_OPEN), text):
-            close = text.find(HERMES_CLOSE, m.end())
-            call = _call_text(text[m.end(): len(text) if close < 0 else close], plan)
+_LEADING_SPACE = re.compile(r"\s*")
+_NEXT_CALL = re.compile(r"\s*\}\s*;")  # llama3: the call object's own "}" and the ";" before the next
+
+
+class CallScanner:
+    """The calls a partial answer has begun, in order, up to the first one not (yet)
+    streamable: what a stream may send as ``delta.tool_calls`` before the answer is finished.
+
+    One per streamed answer, ``feed`` with the whole text so far each time: the answer only
+    grows, so what was read of it is kept and each character is scanned once (re-reading the
+    whole answer at every token cost time quadratic in its length). A text that does not
+    extend the last one starts the scan over."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._reset()
+
+    def _reset(self) -> None:
+        self._text = ""
+        self._regions: dict[int, _Region] = {}
+        self._opens: list[int] = []  # hermes: where each <tool_call> ends
+        self._closes: dict[int, int] = {}  # hermes: an open's end -> where its </tool_call> starts
+        self._searched = 0  # hermes: how far the text was searched for tags
+
+    def feed(self, text: str) -> list[CallText]:
+        if not text.startswith(self._text):
+            self._reset()
+        self._text = text
+        return self._hermes(text) if self.plan.convention == "hermes" else self._llama3(text)
+
+    def _region(self, start: int) -> _Region:
+        r = self._regions.get(start)
+        if r is None:
+            r = self._regions[start] = _Region(start)
+        return r
+
+    def _hermes(self, text: str) -> list[CallText]:
+        # A tag may have been cut between two reads: search again from a tag's length back.
+        back = max(len(HERMES_OPEN), len(HERMES_CLOSE)) - 1
+        i = max(self._searched - back, self._opens[-1] if self._opens else 0)
+        while (j := text.find(HERMES_OPEN, i)) >= 0:
+            i = j + len(HERMES_OPEN)
+            self._opens.append(i)
+        out: list[CallText] = []
+        for start in self._opens:
+            close = self._closes.get(start)
+            if close is None:
+                found = text.find(HERMES_CLOSE, max(start, self._searched - back))
+                if found >= 0:
+                    close = self._closes[start] = found
+            call = self._region(start).call(text, len(text) if close is None else close, self.plan)
             if call is None:
                 break
             out.append(call)
+        self._searched = len(text)
         return out
-    body = text.lstrip().removeprefix(PYTHON_TAG)
-    while True:
-        call = _call_text(body, plan)
-        if call is None:
-            break
-        out.append(call)
-        # The next call follows the closing brace of this one and a ";".
-        rest = re.match(r"\s*\}\s*;", body[call.end:]) if call.done else None
-        if rest is None:
-            break
-        body = body[call.end + rest.end():]
-    return out
+
+    def _llama3(self, text: str) -> list[CallText]:
+        start = _LEADING_SPACE.match(text).end()  # type: ignore[union-attr]
+        if text.startswith(PYTHON_TAG, start):
+            start += len(PYTHON_TAG)
+        out: list[CallText] = []
+        while True:
+            call = self._region(start).call(text, len(text), self.plan)
+            if call is None:
+                break
+            out.append(call)
+            rest = _NEXT_CALL.match(text, start + call.end) if call.done else None
+            if rest is None:
+                break
+            start = rest.end()
+        return out
+
+
+def call_prefixes(text: str, plan: ToolPlan) -> list[CallText]:
+    """``CallScanner.feed`` of a whole text at once."""
+    return CallScanner(plan).feed(text)
 
 
 def _call(name: Any, args: Any, text: str) -> dict | None:
