@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.grammar.backend import GrammarBackend, Matcher, allowed_from_bitmask, bitmask_width
+from common.grammar.backend import GrammarBackend, Matcher, bitmask_width, refused_from_bitmask
 from common.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -350,7 +350,7 @@ class Sampler:
 
         One bitmask for all constrained rows, filled by the backend in one call (its threads work
         on the rows in parallel; on a decode step started before the forward, ``pending``),
-        unpacked and applied as one masked_fill. A row whose mask
+        unpacked and applied as one ``torch.where``. A row whose mask
         allows nothing keeps only -inf: its argmax is a token the matcher then refuses, which the
         scheduler reports as a dead end. logits: [B, V] float32.
         """
@@ -366,10 +366,14 @@ class Sampler:
         else:
             bitmask = torch.zeros(len(rows), bitmask_width(vocab), dtype=torch.int32)  # [G, W]
             self._grammar.fill_bitmask([(grammars[i], j) for j, i in enumerate(rows)], bitmask)  # type: ignore[misc]
-        allowed = allowed_from_bitmask(bitmask.to(logits.device), vocab)  # [G, V] bool
+        refused = refused_from_bitmask(bitmask.to(logits.device), vocab)  # [G, V] bool
+        # torch.where with a scalar is a third of masked_fill's time on the host (measured at
+        # [32, 1000]); both give a new tensor, the caller's logits stay as they were.
+        if len(rows) == logits.shape[0]:  # every row constrained: one op, no gather or scatter
+            return torch.where(refused, float("-inf"), logits)  # [B, V]
         idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [G]
         out = logits.clone()  # [B, V]
-        out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
+        out[idx] = torch.where(refused, float("-inf"), out[idx])
         return out
 
     def _sample_mixed(

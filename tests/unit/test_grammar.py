@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.engine.sampler import Sampler
-from common.grammar.backend import GrammarError, allowed_from_bitmask
+from common.grammar.backend import GrammarError, allowed_from_bitmask, refused_from_bitmask
 from common.grammar.cache import GrammarCache
 from common.grammar.factory import load_backend
 from common.grammar.spec import JSON_OBJECT_SCHEMA, GrammarSpec, spec_of
@@ -216,6 +216,20 @@ def test_bitmask_unpacking_matches_llguidance(tok: Tokenizer, backend: Any) -> N
     backend.fill_bitmask([(st.matcher, 0)], mask)
     got = allowed_from_bitmask(mask, tok.vocab_size)[0]
     assert torch.equal(got, ref) and 0 < int(ref.sum()) < tok.vocab_size
+
+
+@pytest.mark.parametrize("vocab", [1, 8, 31, 32, 33, 1000, 1141])
+def test_the_host_unpack_refuses_exactly_the_tokens_not_allowed(vocab: int) -> None:
+    """The sampler's numpy unpack (one pass over the bytes) against the bit arithmetic of
+    ``allowed_from_bitmask``: random words, the sign bit included, any vocabulary width."""
+    gen = torch.Generator().manual_seed(vocab)
+    words = torch.randint(-(2**31), 2**31, (5, (vocab + 31) // 32), dtype=torch.int64, generator=gen).to(torch.int32)
+    refused = refused_from_bitmask(words, vocab)
+    assert refused.shape == (5, vocab) and refused.dtype == torch.bool
+    assert torch.equal(refused, ~allowed_from_bitmask(words, vocab))
+    one = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    one[0, (vocab - 1) // 32] = 1 << ((vocab - 1) % 32) if (vocab - 1) % 32 < 31 else -(2**31)
+    assert refused_from_bitmask(one, vocab)[0].logical_not().nonzero().flatten().tolist() == [vocab - 1]
 
 
 def _ready_state(backend: Any, spec: GrammarSpec) -> GrammarState:
