@@ -72,18 +72,13 @@ log = logging.getLogger(__name__)
 
 
 class DecodeKVManager(KVManagerBase[DecodeRoom]):
-    """Owns the room table, the status socket, the threads and (once constructed) ``engine``:
-    ``close()`` closes it."""
+    """A decode rank's manager: the base (room table, status socket, ``engine``, which ``close()``
+    closes) plus the prefill ranks it knows, its staging area, the holding set, liveness and the
+    connect queue."""
 
     ROLE = "decode"
 
-    def __init__(
-        self,
-        args: KVArgs,
-        engine: DataPlane,
-        bootstrap: BootstrapClient,
-        config: KVManagerConfig,
-    ) -> None:
+    def __init__(self, args: KVArgs, engine: DataPlane, bootstrap: BootstrapClient, config: KVManagerConfig) -> None:
         layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name,
                                              state=args.state_layout, total_kv_heads=args.total_kv_heads,
                                              kv_staging=args.can_stage)

@@ -59,19 +59,14 @@ GOODBYE_FLUSH_S = 1.0
 
 
 class PrefillKVManager(KVManagerBase[PrefillRoom]):
-    """Owns the room table, the control socket, the workers and (once constructed) ``engine``:
-    ``close()`` closes it."""
+    """A prefill rank's manager: the base (room table, control socket, ``engine``, which
+    ``close()`` closes) plus the bootstrap thread's handlers, the transfer workers with their
+    staging, and the rank's entry in its node's bootstrap registry."""
 
     ROLE = "prefill"
 
-    def __init__(
-        self,
-        args: KVArgs,
-        engine: DataPlane,
-        bootstrap: BootstrapClient,
-        bootstrap_addr: str,
-        config: KVManagerConfig,
-    ) -> None:
+    def __init__(self, args: KVArgs, engine: DataPlane, bootstrap: BootstrapClient, bootstrap_addr: str,
+                 config: KVManagerConfig) -> None:
         self._bootstrap = bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self._bootstrap_addr = bootstrap_addr
         # GROUP_MAX staging aux rows per worker: a worker copies each last chunk's record to its
