@@ -1,36 +1,21 @@
 """Launch a decode node: ``pdcluster decode ...`` or ``python -m decode_node ...``.
 
 Two processes: this one serves HTTP (the shared API app) and starts the scheduler process,
-linked by two ZMQ ipc sockets; the shared launcher (``common.node.launch.run_node``) runs them.
-This module adds the decode's flags and its role part (``decode_node.process``). HTTP is served
-only once the scheduler reported ready (model loaded, pools and KV manager up); a start-up failure
-exits with status 1 and the reason. If the scheduler dies later the API process shuts down too
-(status 1), so a supervisor sees one failed node instead of a zombie half.
+linked by two ZMQ ipc sockets; the shared launcher (``common.node.launch.node_main``) builds the
+config from the flags and runs them. This module adds the decode's flags and its role part
+(``decode_node.process``). HTTP is served only once the scheduler reported ready (model loaded,
+pools and KV manager up); a start-up failure exits with status 1 and the reason. If the
+scheduler dies later the API process shuts down too (status 1), so a supervisor sees one failed
+node instead of a zombie half.
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import replace
 
-from common import envs
 from common.config import ConfigError, NodeConfig, SchedulerConfig
-from common.node.launch import (
-    add_kv_events_flags,
-    add_node_flags,
-    attention_config,
-    cache_config,
-    cpu_slice,
-    grammar_config,
-    kv_events_config,
-    model_config,
-    node_config,
-    parallel_config,
-    run_node,
-    server_config,
-    transfer_config,
-)
+from common.node.launch import add_kv_events_flags, add_node_flags, node_main, role_config
 from decode_node.process import DecodePart
 
 
@@ -64,30 +49,17 @@ def _sched_config(conservativeness: float, reserved_decode_tokens: int, stream_i
 
 
 def config_from_args(a: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(
-        role="decode",
-        model=model_config(a),
-        cache=cache_config(a, enable_prefix_cache=a.disaggregation_decode_enable_radix_cache),
-        sched=_sched_config(a.schedule_conservativeness, a.num_reserved_decode_tokens, a.stream_interval),
-        attention=attention_config(a),
-        transfer=transfer_config(a),
-        server=server_config(a),
-        cpu=cpu_slice(a),
-        parallel=parallel_config(a),
-        kv_events=kv_events_config(a, prefix_cache=a.disaggregation_decode_enable_radix_cache),
-        grammar=grammar_config(a),
-    )
+    return role_config("decode", a, prefix_cache=a.disaggregation_decode_enable_radix_cache,
+                       sched=_sched_config(a.schedule_conservativeness, a.num_reserved_decode_tokens, a.stream_interval))
+
+
+def _part(cfg: NodeConfig, _ns: argparse.Namespace) -> DecodePart:
+    return DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests, kv_events=cfg.kv_events)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s decode-api %(name)s: %(message)s")
-    built = node_config("decode", ns, config_from_args)
-    if built is None:
-        return 2
-    cfg, api_cfg = built
-    part = DecodePart(cfg.sched, cfg.transfer, cfg.cache.max_running_requests, kv_events=cfg.kv_events)
-    return run_node(cfg, api_cfg, part, exit_with_scheduler=True)
+    return node_main("decode", argv, build_parser(), config_from_args, _part, log_tag="decode-api",
+                     exit_with_scheduler=True)
 
 
 if __name__ == "__main__":

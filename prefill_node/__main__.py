@@ -12,10 +12,11 @@
     3. uvicorn: FastAPI app  <== ZMQ ipc (common.ipc) ==>  scheduler loop
     4. on exit: SIGTERM the scheduler (SIGKILL after a grace period), stop the bootstrap server
 
-The shared launcher (``common.node.launch.run_node``) does steps 2-4; this module adds the
-prefill's flags, its role part and the registry. ``/health`` stays 503 until the scheduler has
-answered, and turns 503 again if it dies (the API watches its pid; the registry's ``/health``
-too): the node stays up, so its decode peers hear of the death from the registry.
+The shared launcher (``common.node.launch.node_main``) builds the config from the flags and does
+steps 2-4; this module adds the prefill's flags, its role part and the registry. ``/health``
+stays 503 until the scheduler has answered, and turns 503 again if it dies (the API watches its
+pid; the registry's ``/health`` too): the node stays up, so its decode peers hear of the death
+from the registry.
 """
 from __future__ import annotations
 
@@ -23,25 +24,8 @@ import argparse
 import logging
 import sys
 
-from common import envs
 from common.config import NodeConfig, SchedulerConfig
-from common.node.launch import (
-    SchedulerChild,
-    StartupError,
-    add_kv_events_flags,
-    add_node_flags,
-    attention_config,
-    cache_config,
-    cpu_slice,
-    grammar_config,
-    kv_events_config,
-    model_config,
-    node_config,
-    parallel_config,
-    run_node,
-    server_config,
-    transfer_config,
-)
+from common.node.launch import SchedulerChild, StartupError, add_kv_events_flags, add_node_flags, node_main, role_config
 from prefill_node.process import PrefillPart
 
 log = logging.getLogger("prefill_node")
@@ -62,20 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(ns: argparse.Namespace) -> NodeConfig:
-    return NodeConfig(
-        role="prefill",
-        model=model_config(ns),
-        cache=cache_config(ns, enable_prefix_cache=not ns.disable_radix_cache),
-        sched=SchedulerConfig(chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
-                              schedule_policy=ns.schedule_policy),
-        attention=attention_config(ns),
-        transfer=transfer_config(ns),
-        server=server_config(ns),
-        cpu=cpu_slice(ns),
-        parallel=parallel_config(ns),
-        kv_events=kv_events_config(ns, prefix_cache=not ns.disable_radix_cache),
-        grammar=grammar_config(ns),
-    )
+    return role_config("prefill", ns, prefix_cache=not ns.disable_radix_cache,
+                       sched=SchedulerConfig(chunked_prefill_size=ns.chunked_prefill_size,
+                                             max_prefill_tokens=ns.max_prefill_tokens, schedule_policy=ns.schedule_policy))
 
 
 class Registry:
@@ -99,18 +72,19 @@ class Registry:
         self.server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get(), format="%(asctime)s %(levelname)s prefill %(name)s: %(message)s")
-    built = node_config("prefill", ns, config_from_args)
-    if built is None:
-        return 2
-    cfg, api_cfg = built
+def _part(cfg: NodeConfig, ns: argparse.Namespace) -> PrefillPart:
     from bootstrap_server.client import bootstrap_url
 
     tc = cfg.transfer
-    part = PrefillPart(cfg.sched, tc, bootstrap_url(ns.host, tc.bootstrap_port), kv_events=cfg.kv_events)
-    return run_node(cfg, api_cfg, part, sidecar=lambda child: Registry(ns.host, tc.bootstrap_port, child, tc.cluster_secret))
+    return PrefillPart(cfg.sched, tc, bootstrap_url(ns.host, tc.bootstrap_port), kv_events=cfg.kv_events)
+
+
+def _registry(cfg: NodeConfig, ns: argparse.Namespace, child: SchedulerChild) -> Registry:
+    return Registry(ns.host, cfg.transfer.bootstrap_port, child, cfg.transfer.cluster_secret)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return node_main("prefill", argv, build_parser(), config_from_args, _part, log_tag="prefill", sidecar=_registry)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from bootstrap_server.errors import LayoutMismatch
 from bootstrap_server.schema import DecodeLayout
@@ -58,42 +57,36 @@ from transfer.args import KVArgs
 from transfer.base import BootstrapClient, DataPlane
 from transfer.bootstrap import with_cluster_secret
 from transfer.config import KVManagerConfig
-from transfer.control_auth import control_auth
 from transfer.decode_liveness import DecodeLiveness
 from transfer.descriptors import index_list
 from transfer.errors import RoomInUse, TransferError
 from transfer.fenced import Fenced, FencedRooms
 from transfer.handles import DecodeKVReceiver
+from transfer.manager_base import KVManagerBase
 from transfer.peers import PeerCache
 from transfer.poll import KVPoll
 from transfer.rooms import DecodeRoom, RoomTable
 from transfer.staging import StagingArea
-from transfer.zmq_io import ControlPlane
 
 log = logging.getLogger(__name__)
 
 
-class DecodeKVManager:
-    """Owns the room table, the status socket, the threads and (once constructed) ``engine``:
-    ``close()`` closes it."""
+class DecodeKVManager(KVManagerBase[DecodeRoom]):
+    """A decode rank's manager: the base (room table, status socket, ``engine``, which ``close()``
+    closes) plus the prefill ranks it knows, its staging area, the holding set, liveness and the
+    connect queue."""
 
-    def __init__(
-        self,
-        args: KVArgs,
-        engine: DataPlane,
-        bootstrap: BootstrapClient,
-        config: KVManagerConfig,
-    ) -> None:
-        self.args, self.engine, self.config = args, engine, config
-        self.instance_id = uuid.uuid4().hex
+    ROLE = "decode"
+
+    def __init__(self, args: KVArgs, engine: DataPlane, bootstrap: BootstrapClient, config: KVManagerConfig) -> None:
         layout = DecodeLayout.from_kv_layout(args.layout, tp_size=args.tp_size, transfer_backend=engine.name,
                                              state=args.state_layout, total_kv_heads=args.total_kv_heads,
                                              kv_staging=args.can_stage)
-        self._rooms: RoomTable[DecodeRoom] = RoomTable()
-        self._lock = self._rooms.lock
-        self._peers = PeerCache(self._lock, with_cluster_secret(bootstrap, config.cluster_secret), layout, args.tp_rank)
+        rooms: RoomTable[DecodeRoom] = RoomTable()
+        self._peers = PeerCache(rooms.lock, with_cluster_secret(bootstrap, config.cluster_secret), layout, args.tp_rank)
         # Where head slices from a prefill of another TP size land (transfer.staging); a fenced
-        # room keeps its staging pages until the fence lifts.
+        # room keeps its staging pages until the fence lifts. Allocated before the control plane
+        # opens, so a failed allocation leaves nothing open.
         self._staging = (StagingArea(args.staging_pages, args.page_unit_nbytes, args.kv_tensors[0].device)
                          if args.can_stage else None)
         self._held_staging: dict[int, list[tuple[int, int]]] = {}  # fenced room -> its staging extents
@@ -102,16 +95,12 @@ class DecodeKVManager:
         # prefill we could not reach yet that the room was aborted or refused, so its sender
         # fails now rather than at its timeout.
         self._todo: queue.Queue[int | tuple[int, str, str, bool] | None] = queue.Queue()
-        self._plane = ControlPlane(args.host, control_auth(config.cluster_secret))
-        self._stop, self._push, self.status_endpoint = self._plane.stop, self._plane.push, self._plane.endpoint
+        super().__init__(args, engine, config, rooms)
+        self.status_endpoint = self.endpoint  # where prefill ranks send TransferStatus and Pong
         staging_mem = [] if self._staging is None else [(self._staging.buf.data_ptr(), self._staging.buf.numel())]
         self._staging_area = staging_mem[0] if staging_mem else (0, 0)
-        try:
-            for ptr, nbytes in [*args.all_buffers(), *staging_mem]:
-                engine.register(ptr, nbytes)
-        except Exception as exc:
-            self._plane.abandon()
-            raise TransferError(f"decode transfer manager failed to start: {exc}") from exc
+        with self._starting():
+            self._register([*args.all_buffers(), *staging_mem])
         self._liveness = DecodeLiveness(config, self._rooms, self._peers, self._fenced, self._push, engine.session_id,
                                         self.status_endpoint, self._rank_failed_locked)
         self._plane.start([
@@ -123,11 +112,6 @@ class DecodeKVManager:
         log.info("decode KV manager up: status %s, data %s", self.status_endpoint, engine.session_id)
 
     # --- scheduler-facing ----------------------------------------------------------------------
-    def set_state_listener(self, fn: Callable[[], None]) -> None:
-        """``fn`` (quick, non-blocking: a transfer thread calls it, lock held) runs whenever a
-        receiver's ``poll()`` answer changed, so the scheduler's wait ends at once."""
-        self._rooms.set_listener(fn)
-
     def create_receiver(self, room: int, bootstrap_addr: str) -> DecodeKVReceiver:
         """``bootstrap_addr``: the prefill node's bootstrap server, "host:port"."""
         with self._lock:
@@ -148,20 +132,11 @@ class DecodeKVManager:
                 return
         self._todo.put((room, bootstrap_addr, reason, True))
 
-    def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
+    def _wind_down(self) -> tuple[float, float]:
+        """Wake the connect thread to exit (the other threads watch ``stop``); nothing queued
+        is owed to anyone, so it is discarded."""
         self._todo.put(None)
-        stuck = self._plane.join(10.0)
-        self._plane.close()
-        if stuck:  # leak the engine rather than unregister memory the data plane may still touch
-            log.error("transfer threads %s did not stop; the data plane is left open", stuck)
-            return
-        self.engine.close()
-
-    def num_rooms(self) -> int:
-        return len(self._rooms)
+        return 10.0, 0.0
 
     def num_fenced(self) -> int:
         """Rooms failed to their client whose pages stay held until the peer cannot write."""

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from transfer import messages as m
@@ -41,16 +40,15 @@ from transfer.aux import AuxPool, AuxRecord
 from transfer.base import BootstrapClient, DataPlane
 from transfer.bootstrap import with_cluster_secret
 from transfer.config import KVManagerConfig
-from transfer.control_auth import control_auth
 from transfer.descriptors import index_list
 from transfer.errors import RoomInUse, TransferError
 from transfer.handles import PrefillKVSender
+from transfer.manager_base import KVManagerBase
 from transfer.poll import KVPoll
 from transfer.prefill_control import PrefillControl
 from transfer.rooms import PrefillRoom, RoomTable
 from transfer.staging import Arena
 from transfer.worker import GROUP_MAX, Chunk, Target, TransferWorker
-from transfer.zmq_io import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -60,59 +58,42 @@ log = logging.getLogger(__name__)
 GOODBYE_FLUSH_S = 1.0
 
 
-class PrefillKVManager:
-    """Owns the room table, the control socket, the workers and (once constructed) ``engine``:
-    ``close()`` closes it."""
+class PrefillKVManager(KVManagerBase[PrefillRoom]):
+    """A prefill rank's manager: the base (room table, control socket, ``engine``, which
+    ``close()`` closes) plus the bootstrap thread's handlers, the transfer workers with their
+    staging, and the rank's entry in its node's bootstrap registry."""
 
-    def __init__(
-        self,
-        args: KVArgs,
-        engine: DataPlane,
-        bootstrap: BootstrapClient,
-        bootstrap_addr: str,
-        config: KVManagerConfig,
-    ) -> None:
-        self.args, self.engine, self.config = args, engine, config
-        self.instance_id = uuid.uuid4().hex
-        self._rooms: RoomTable[PrefillRoom] = RoomTable(tombstone_s=config.bootstrap_timeout_s)
-        self._lock = self._rooms.lock
+    ROLE = "prefill"
+
+    def __init__(self, args: KVArgs, engine: DataPlane, bootstrap: BootstrapClient, bootstrap_addr: str,
+                 config: KVManagerConfig) -> None:
         self._bootstrap = bootstrap = with_cluster_secret(bootstrap, config.cluster_secret)
         self._bootstrap_addr = bootstrap_addr
-        self._plane = ControlPlane(args.host, control_auth(config.cluster_secret))
-        self._stop, self._push, self.endpoint = self._plane.stop, self._plane.push, self._plane.endpoint
-        self._control = PrefillControl(self._rooms, self._push, args, config, self.endpoint, self.instance_id)
         # GROUP_MAX staging aux rows per worker: a worker copies each last chunk's record to its
         # own row of the group being written, then writes it with the chunk's pages.
         self._staging = AuxPool(config.num_workers * GROUP_MAX, top_k=args.aux_top_k)
         # One staging arena per worker, where head slices for a decode of another TP size are
         # gathered (transfer.staging); none when the rank cannot stage (equal TP only).
+        # Allocated before the control plane opens, so a failed allocation leaves nothing open.
         self._arenas = [Arena(args.staging_pages * args.page_unit_nbytes, args.kv_tensors[0].device)
                         for _ in range(config.num_workers)] if args.can_stage else []
-        try:
+        super().__init__(args, engine, config, RoomTable(tombstone_s=config.bootstrap_timeout_s))
+        self._control = PrefillControl(self._rooms, self._push, args, config, self.endpoint, self.instance_id)
+        with self._starting():
             staging = self._staging.buffers()
             arenas = [(a.ptr, a.nbytes) for a in self._arenas]
-            for ptr, nbytes in [*args.all_buffers(), *zip(staging.ptrs, staging.nbytes), *arenas]:
-                engine.register(ptr, nbytes)
+            self._register([*args.all_buffers(), *zip(staging.ptrs, staging.nbytes), *arenas])
             self._workers = [TransferWorker(i, self, args, engine, self._staging, config.max_batch_entries,
                                             self._arenas[i] if self._arenas else None)
                              for i in range(config.num_workers)]
             self.rank_info = wire.rank_info(args, self._plane.port, self.instance_id, engine)
             bootstrap.register_rank(bootstrap_addr, self.rank_info)
-        except Exception as exc:
-            self._plane.abandon()
-            raise TransferError(f"prefill transfer manager failed to start: {exc}") from exc
         boot = self._plane.server("pdc-prefill-bootstrap", m.decode_to_prefill, self._control.handle, self._control.tick,
                                   config.tick_s, "prefill bootstrap")
         self._plane.start([boot, *(w.thread for w in self._workers)])
         log.info("prefill KV manager up: control %s, data %s", self.endpoint, engine.session_id)
 
     # --- scheduler-facing ----------------------------------------------------------------------
-    def set_state_listener(self, fn: Callable[[], None]) -> None:
-        """``fn`` runs (on a transfer thread, the lock held: it must be quick and never block)
-        whenever a sender's ``poll()`` answer may have changed, so the scheduler loop can stop
-        waiting for input at once instead of polling its rooms on a timer."""
-        self._rooms.set_listener(fn)
-
     def create_sender(self, room: int, prompt_digest: str = "") -> PrefillKVSender:
         """``prompt_digest`` (``messages.prompt_digest`` of the prompt): a TransferInfo for this
         room from a decode that holds it for another prompt is refused, never written to."""
@@ -124,17 +105,11 @@ class PrefillKVManager:
             self._control.adopt_locked(r)  # TransferInfos that came first; a failure decided already
         return PrefillKVSender(self._rooms, self, room)
 
-    def close(self) -> None:
-        """Stop threads, close sockets, release the engine (idempotent).
-
-        Every room fails first, under the lock: workers then skip the chunks still queued
-        (``begin_chunk``) and stop a chunk in progress before its next batch, so each exits
-        after at most the engine call it is in. The engine is closed only once every worker has
-        exited: closing it unregisters the memory an in-flight write is reading.
-        """
-        if self._stop.is_set():
-            return
-        self._stop.set()
+    def _wind_down(self) -> tuple[float, float]:
+        """Deregister, then fail every room, under the lock: workers then skip the chunks still
+        queued (``begin_chunk``) and stop a chunk in progress before its next batch, so each
+        exits after at most the engine call it is in. The failure statuses owed to decodes get
+        ``GOODBYE_FLUSH_S`` to leave."""
         try:  # so decodes stop finding this rank; its bootstrap server may already be gone
             self._bootstrap.deregister_rank(self._bootstrap_addr, self.rank_info)
         except Exception as exc:
@@ -145,15 +120,7 @@ class PrefillKVManager:
         for w in self._workers:
             w.stop()
         # One engine call is bounded by the data plane's write timeout, which the quarantine covers.
-        stuck = self._plane.join(max(10.0, self.config.hung_peer_quarantine_s + 1.0))
-        self._plane.close(flush_s=GOODBYE_FLUSH_S)
-        if stuck:  # leak the engine rather than unregister memory under a running write
-            log.error("transfer threads %s did not stop; the data plane is left open", stuck)
-            return
-        self.engine.close()
-
-    def num_rooms(self) -> int:
-        return len(self._rooms)
+        return max(10.0, self.config.hung_peer_quarantine_s + 1.0), GOODBYE_FLUSH_S
 
     def descriptors_written(self) -> int:
         """Descriptors the workers handed to the engine so far (observability and tests)."""

@@ -1,11 +1,13 @@
-"""The node launcher, both roles: flags both take, the node config they build, the spawned
-scheduler child and ``run_node``, the launcher's life from config to exit. Each role adds only its
-own flags, its role part and, for the prefill, the bootstrap registry it embeds.
+"""The node launcher, both roles: flags both take, the node config they build (``role_config``),
+the spawned scheduler child, ``run_node`` (the launcher's life from config to exit) and
+``node_main`` (a role's ``main``: flags -> config -> ``run_node``). Each role's ``__main__`` adds
+only its own flags, its role part and, for the prefill, the bootstrap registry it embeds.
 
 ::
 
     launcher (API process)                        scheduler process (spawned)
-    run_node(role, cfg, part):
+    node_main(role, argv, parser, ...):  parse, log, config (exit 2 on a bad flag)
+    run_node(cfg, api_cfg, part):
       sidecar.start()   (prefill: bootstrap registry)
       SchedulerChild.start() ──spawn──> common.node.process.run_scheduler(part, cfg, endpoints)
       SchedulerChild.wait_ready()  <── ("ready", info) | ("error", reason) over a pipe
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -47,6 +50,7 @@ from common.config import (
     ModelConfig,
     NodeConfig,
     ParallelConfig,
+    SchedulerConfig,
     ServerConfig,
     TransferConfig,
     resolve,
@@ -199,6 +203,24 @@ def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
         return cpu_config(ns.cpu_threads, ns.cpu_bind)
     except CpuBudgetError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def role_config(role: str, ns: argparse.Namespace, *, sched: SchedulerConfig, prefix_cache: bool) -> NodeConfig:
+    """The node config from the flags both roles take; the role gives its scheduler slice (built
+    from its own flags) and whether its prefix cache is on (its KV events follow it)."""
+    return NodeConfig(
+        role=role,
+        model=model_config(ns),
+        cache=cache_config(ns, enable_prefix_cache=prefix_cache),
+        sched=sched,
+        attention=attention_config(ns),
+        transfer=transfer_config(ns),
+        server=server_config(ns),
+        cpu=cpu_slice(ns),
+        parallel=parallel_config(ns),
+        kv_events=kv_events_config(ns, prefix_cache=prefix_cache),
+        grammar=grammar_config(ns),
+    )
 
 
 # -- the scheduler child, seen from the launcher -------------------------------------------------------
@@ -377,6 +399,24 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
         if side is not None:
             side.stop()
     return 1 if died.is_set() else 0
+
+
+def node_main(role: str, argv: list[str] | None, parser: argparse.ArgumentParser,
+              from_args: Callable[[argparse.Namespace], NodeConfig],
+              part: Callable[[NodeConfig, argparse.Namespace], RolePart], *, log_tag: str,
+              sidecar: Callable[[NodeConfig, argparse.Namespace, SchedulerChild], Sidecar] | None = None,
+              exit_with_scheduler: bool = False) -> int:
+    """A role's ``main``: parse ``argv``, set up logging (lines tagged ``log_tag``), build and
+    check the config (exit status 2 for a bad flag), then ``run_node`` with the role's part (and
+    its sidecar, built with the child it runs beside). The exit status (module docstring)."""
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=envs.LOG_LEVEL.get(), format=f"%(asctime)s %(levelname)s {log_tag} %(name)s: %(message)s")
+    built = node_config(role, ns, from_args)
+    if built is None:
+        return 2
+    cfg, api_cfg = built
+    side = None if sidecar is None else functools.partial(sidecar, cfg, ns)
+    return run_node(cfg, api_cfg, part(cfg, ns), sidecar=side, exit_with_scheduler=exit_with_scheduler)
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|shared/seeds|DESIGN\.md|DESIGN §")
+# Written so that this file matches none of it itself, and is checked like every other file.
+OUTSIDE = re.compile(r"\.\./shared|shared/(?:DESIGN|seeds)|DESIGN\.md|DESIGN[ ]§")
 
 
 def tracked(*suffixes: str) -> list[Path]:
@@ -19,7 +20,7 @@ def tracked(*suffixes: str) -> list[Path]:
 def test_no_code_or_doc_points_outside_the_repository() -> None:
     files = tracked(".py", ".md", ".yaml", ".toml", ".sh", "Makefile")
     assert len(files) > 100  # git ls-files worked
-    hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in files if p.name != Path(__file__).name
+    hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in files
             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
     assert not hits, "\n".join(hits)
 
