@@ -15,6 +15,12 @@ One router of ours per combination, each in front of only its nodes:
                                compiles on every rank, its readiness is agreed, the answer validates
     test_flush_cache_*         /flush_cache reaches every rank at the same step: a repeated prompt
                                hits the cache, is recomputed after the flush, and still equals HF
+    test_decode_prefix_cache_* both decodes keep their prefix cache
+                               (--disaggregation-decode-enable-radix-cache): a conversation's second
+                               turn reuses the first turn's whole pages on every rank of decode0
+                               (TP 2), from an equal (TP 2) and an unequal (TP 1) prefill, and on
+                               decode1 (TP 1) from a TP 2 prefill; only the rest is sent, and both
+                               turns equal HF
     test_client_abort_*        prefill1's rank 1 stops itself right before writing one room's KV
                                while its rank 0 writes the other half into decode1; the client
                                hangs up on the decode: the decode keeps the room's pages while
@@ -115,7 +121,8 @@ def tp(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPath
     cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-tp-e2e")), env=NODE_ENV)
     try:
         cluster.start(model_dir, backend="mooncake", num_prefill=3, num_decode=2, prefill_tp=(2, 2, 1),
-                      decode_tp=(2, 1), router="none", startup_timeout_s=180)
+                      decode_tp=(2, 1), decode_args=["--disaggregation-decode-enable-radix-cache"], router="none",
+                      startup_timeout_s=180)
         routers = {name: cluster.start_router(name, nodes, ROUTER_ARGS)
                    for name, nodes in {**ROUTERS, "router-retry": RETRY_ROUTER}.items()}
         yield TPCluster(cluster, routers, model_dir)
@@ -180,6 +187,39 @@ def test_flush_cache_reaches_every_rank(tp: TPCluster) -> None:
     r = httpx.post(prefill + "/flush_cache", timeout=10)
     assert r.status_code == 200, r.text
     assert cached() == 0  # every rank dropped its cache at the same step: same pages, same answer
+    tp.wait_idle()
+
+
+@pytest.mark.parametrize("router", ["router-2to2", "router-1to2", "router-2to1"])
+def test_decode_prefix_cache_reuses_the_first_turn_on_every_rank(tp: TPCluster, router: str) -> None:
+    """Turn 2 = turn 1's prompt + its answer + new text. The decode (every rank alike: the prefill
+    refuses a room whose ranks name different prefixes) keeps turn 1's whole pages and receives
+    only the pages past them, from a prefill of its own TP size or another; the answers equal HF."""
+    page, url = 16, tp.routers[router]
+    decode = tp.node(ROUTERS[router][-1]).url
+
+    def turn(prompt: list[int]) -> tuple[list[int], dict]:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]
+
+    def counters() -> tuple[float, float]:
+        return metric(decode, "pdc_decode_transferred_tokens_total"), metric(decode, "pdc_decode_reused_tokens_total")
+
+    p1 = tp.tok.encode(f"{router}: the decode keeps this conversation's pages on each of its ranks " * 2)
+    out1, meta1 = turn(p1)
+    check_greedy(tp.model_dir, p1, out1, N_NEW, f"{router} turn 1")
+    assert meta1["decode_reused_tokens"] == 0, meta1
+    p2 = p1 + out1 + tp.tok.encode(" and the next turn sends only what is new")
+    before = counters()
+    out2, meta2 = turn(p2)
+    check_greedy(tp.model_dir, p2, out2, N_NEW, f"{router} turn 2")
+    # Turn 1 wrote KV for p1 + out1[:-1]: its whole pages; at least one token is left to receive.
+    want = min((len(p1) + len(out1) - 1) // page * page, (len(p2) - 1) // page * page)
+    assert want >= 2 * page and meta2["decode_reused_tokens"] == want, (want, meta2)
+    after = counters()
+    assert (after[0] - before[0], after[1] - before[1]) == (len(p2) - want, want)
     tp.wait_idle()
 
 
