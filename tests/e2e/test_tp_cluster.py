@@ -197,9 +197,11 @@ def test_flush_cache_reaches_every_rank(tp: TPCluster) -> None:
 
 @pytest.mark.parametrize("router", ["router-2to2", "router-1to2", "router-2to1"])
 def test_decode_prefix_cache_reuses_the_first_turn_on_every_rank(tp: TPCluster, router: str) -> None:
-    """Turn 2 = turn 1's prompt + its answer + new text. The decode (every rank alike: the prefill
-    refuses a room whose ranks name different prefixes) keeps turn 1's whole pages and receives
-    only the pages past them, from a prefill of its own TP size or another; the answers equal HF."""
+    """Turn 2 = turn 1's prompt + its answer + new text. The decode keeps turn 1's whole pages and
+    receives only the pages past them, from a prefill of its own TP size or another; the answers
+    equal HF. Every rank reuses alike: from the TP 1 prefill, whose one rank serves both decode
+    ranks, a room whose ranks named different prefixes would be refused (the answer reports rank
+    0's reuse; a rank that diverged at equal TP is test_a_cached_page_*'s case)."""
     page, url = 16, tp.routers[router]
     decode = tp.node(ROUTERS[router][-1]).url
 
