@@ -21,6 +21,9 @@ One router of ours per combination, each in front of only its nodes:
                                (TP 2), from an equal (TP 2) and an unequal (TP 1) prefill, and on
                                decode1 (TP 1) from a TP 2 prefill; only the rest is sent, and both
                                turns equal HF
+    test_decode_flush_*        /flush_cache on decode0 empties every rank's cache at the same step: the
+                               same prompt again reuses nothing (a rank that kept its pages would
+                               name another prefix to the TP 1 prefill, which refuses such a room)
     test_a_cached_page_*       garbage written through Mooncake into decode0's rank 1 pool only: the
                                next turn finds the change on that rank, every rank drops the branch
                                (the MIN over the ranks), nothing is reused, the answer equals HF
@@ -227,6 +230,27 @@ def test_decode_prefix_cache_reuses_the_first_turn_on_every_rank(tp: TPCluster, 
     assert want >= 2 * page and meta2["decode_reused_tokens"] == want, (want, meta2)
     after = counters()
     assert (after[0] - before[0], after[1] - before[1]) == (len(p2) - want, want)
+    tp.wait_idle()
+
+
+def test_decode_flush_cache_empties_every_rank(tp: TPCluster) -> None:
+    url, decode = tp.routers["router-1to2"], tp.node("decode0").url
+    prompt = tp.tok.encode("a prompt the decode caches, then forgets on both of its ranks " * 2)
+
+    def reused() -> int:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        check_greedy(tp.model_dir, prompt, r.json()["output_ids"], N_NEW, "decode flush")
+        return int(r.json()["meta_info"]["decode_reused_tokens"])
+
+    reused()
+    assert reused() == (len(prompt) - 1) // 16 * 16  # the prompt's whole pages but the last token's
+    tp.wait_idle()
+    r = httpx.post(decode + "/flush_cache", timeout=10)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert memory(decode)["cached_pages"] == 0
+    assert reused() == 0
     tp.wait_idle()
 
 
