@@ -11,7 +11,7 @@ LOCK        := requirements/cpu.lock
 TORCH_INDEX ?=
 PIP_SOURCES := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz shared-room grammar-acceptance clean
+.PHONY: setup router-venv test-deps lock test test-unit test-integration test-e2e run chaos soak fuzz shared-room grammar-acceptance multiturn-acceptance clean
 
 setup: $(VENV)/.installed
 
@@ -89,6 +89,16 @@ GRAMMAR_REQUESTS ?= 200
 grammar-acceptance: setup router-venv
 	GRAMMAR_REQUESTS=$(GRAMMAR_REQUESTS) $(BIN)/python -m pytest -q tests/e2e/test_structured_pd.py \
 		tests/e2e/test_sglang_router.py -k structured tests/e2e/test_router_cluster.py::test_structured_outputs_validate_and_greedy_match_hf
+
+# Multi-turn acceptance on a decode with its prefix cache (tests/e2e/test_decode_pd.py): each
+# turn's answer equals HF greedy and reports the decode's reuse of the previous turn
+# (decode_reused_tokens) as its metrics count it. CI runs 2 conversations x 3 turns (the
+# qwen3 pair keeps no decode cache: only the llama one runs here).
+MULTITURN_CONVERSATIONS ?= 32
+MULTITURN_TURNS ?= 6
+multiturn-acceptance: setup
+	MULTITURN_CONVERSATIONS=$(MULTITURN_CONVERSATIONS) MULTITURN_TURNS=$(MULTITURN_TURNS) $(BIN)/python -m pytest \
+		-q tests/e2e/test_decode_pd.py -k "multiturn and llama"
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools

@@ -77,6 +77,9 @@ class DecodePart:
             from common.engine.model_runner import page_digests
 
             memory.digests = page_digests(runner, self.transfer.cluster_secret)
+            # TP: a cached page changed on any rank is changed on all (the MIN of the ranks' first
+            # bad page), so every rank locks the same prefix and their pools stay in step.
+            memory.digests.agree_min = agreement.agree_min_int
         bcfg = DecodeBudgetConfig.from_sched(s, memory.page_size, memory.allocator.num_total)
         chunk = s.chunked_prefill_size if s.chunked_prefill_size > 0 else s.max_prefill_tokens
         from transfer.agreed import agreed_manager

@@ -63,6 +63,7 @@ class DecodeReq:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     sent: int = 0  # output tokens already sent to the API process
     cached_tokens: int = 0  # prompt tokens the prefill served from its prefix cache
+    reused_tokens: int = 0  # prompt tokens this node's own prefix cache served (set when the KV arrived)
     finish: FinishReason | None = None
     error: str | None = None
     http_status: int | None = None
@@ -181,7 +182,8 @@ class DecodeReq:
             rid=self.rid, new_token_ids=self.out[new], new_logprobs=self.logprobs[new] if lp else None,
             new_top_logprobs=self.top_logprobs[new] if lp and self.params.top_logprobs_num else None,
             finish=self.finish, prompt_tokens=len(self.prompt), completion_tokens=len(self.out),
-            cached_tokens=self.cached_tokens, error=self.error, http_status=self.http_status, timeline=timeline)
+            cached_tokens=self.cached_tokens, decode_reused_tokens=self.reused_tokens if self.room is not None else None,
+            error=self.error, http_status=self.http_status, timeline=timeline)
 
 
 @dataclass

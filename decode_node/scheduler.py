@@ -235,7 +235,7 @@ class DecodeScheduler:
                 self.counters.transferred_tokens += len(r.prompt) - reused
                 self.counters.reused_tokens += reused
                 self.counters.transferred_pages += self.memory.pages_for(len(r.prompt)) - reused // self.memory.page_size
-                r.cached_tokens = rec.cached_tokens
+                r.cached_tokens, r.reused_tokens = rec.cached_tokens, reused
                 self.queues.transfer.remove(r)
                 r.clock.lap("kv_transfer")
                 self._first_token.append(r)

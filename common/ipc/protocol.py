@@ -56,7 +56,10 @@ Contract for scheduler authors
     Everything new since the last step for any number of requests. A ``ReqOutput`` carries only
     *new* tokens; ``finish`` is set on the last one for that rid, after which the rid is never
     mentioned again. Counters (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``) are
-    running totals. A request that failed (transfer failure, scheduler-side rejection) finishes
+    running totals. ``cached_tokens`` is the prefill's prefix-cache hit (a decode relays the one
+    its room's aux row carries); ``decode_reused_tokens`` is set only by a decode node, on a
+    disaggregated request: the prompt tokens its own prefix cache held, whose KV was therefore not
+    transferred (``decode_prefix_len``; 0 until the KV arrived). A request that failed (transfer failure, scheduler-side rejection) finishes
     with ``FinishReason(type="abort", message=reason)`` plus ``error`` (a sentence naming the
     cause and the room/rid) and ``http_status`` (503 for a peer that is gone or timed out, 500
     for an internal fault, 400 for a request the scheduler cannot take); the API turns it into
@@ -130,6 +133,7 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    decode_reused_tokens: int | None = None  # None: not a decode's disaggregated request
     error: str | None = None
     http_status: int | None = None
     timeline: StageTimes | None = None  # on a successful final output: the scheduler's stages

@@ -33,16 +33,22 @@ _piece = token_piece
 
 
 def usage(req: ParsedRequest, states: list[SubState]) -> dict:
-    """Prompt tokens count once per prompt, not once per sample (OpenAI's n semantics)."""
+    """Prompt tokens count once per prompt, not once per sample (OpenAI's n semantics).
+    ``prompt_tokens_details.cached_tokens`` is the prefill's prefix-cache hit; a decode node adds
+    ``decode_reused_tokens`` beside it (its own cache's hit: KV that was not transferred)."""
     n = req.n
-    prompt = sum(s.prompt_tokens for s in states if s.sub.index % n == 0)
+    firsts = [s for s in states if s.sub.index % n == 0]
+    prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(s.completion_tokens for s in states)
-    cached = sum(s.cached_tokens for s in states if s.sub.index % n == 0)
+    details: dict[str, int] = {"cached_tokens": sum(s.cached_tokens for s in firsts)}
+    reused = [s.decode_reused_tokens for s in firsts if s.decode_reused_tokens is not None]
+    if reused:
+        details["decode_reused_tokens"] = sum(reused)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 

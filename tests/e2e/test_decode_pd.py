@@ -192,8 +192,10 @@ def _page_nbytes(model_dir: str, page_size: int = 16) -> int:
 def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster: Cluster) -> None:
     """Each turn's prompt = the previous prompt + its answer + new user tokens. Every output is HF
     greedy for its full prompt, and turn k >= 2 receives only the pages past the previous turn's
-    cached whole pages, per request by the decode's metrics (the llama pair: decode prefix cache
-    on). MULTITURN_CONVERSATIONS x MULTITURN_TURNS scale it (CI: 2 x 3)."""
+    cached whole pages (the llama pair: decode prefix cache on): per request by its answer's
+    ``decode_reused_tokens``, and by the decode's metrics around it (tokens, bytes on the wire).
+    MULTITURN_CONVERSATIONS x MULTITURN_TURNS scale it (CI: 2 x 3; ``make multiturn-acceptance``:
+    32 x 6)."""
     import httpx
 
     from tests.e2e.cluster import metric
@@ -231,9 +233,14 @@ def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster:
                 got, meta = r.json()["output_ids"], r.json()["meta_info"]
             check_greedy(pd_cluster.model_dir, prompt, got, n, what)
             after = counters()
+            # One decode: every turn lands on the decode holding its conversation. It reuses the
+            # previous turn's whole pages (prompt + answer - 1 token), at least one token left to send.
             want_reused = min(cached_upto, (len(prompt) - 1) // ps * ps) if reuse else 0
             sent_pages = -(-len(prompt) // ps) - want_reused // ps
-            assert (after[0] - before[0], after[1] - before[1]) == (len(prompt) - want_reused, want_reused), what
+            # Per request, in the answer: the decode's reuse, and the rest of the prompt is what arrived.
+            assert meta["decode_reused_tokens"] == want_reused and meta["prompt_tokens"] == len(prompt), (what, meta)
+            transferred = meta["prompt_tokens"] - meta["decode_reused_tokens"]
+            assert (after[0] - before[0], after[1] - before[1]) == (transferred, want_reused), what
             assert after[2] - before[2] == sent_pages * page_nbytes, what
             # The prefill's own cache hit stays what meta_info reports: the previous prompt's whole pages.
             assert meta["cached_tokens"] == min(len(prev_prompt) // ps * ps, (len(prompt) - 1) // ps * ps), (what, meta)

@@ -159,15 +159,22 @@ def test_chat_turns_are_rendered_by_the_router_and_predicted_exactly(kv_cluster:
     assert url is not None
     history = [{"role": "user", "content": turn_text(7, 1)}]
     reported = []
+    decodes = [d.url for d in kv_cluster.decodes]
     for reply in (None, "a short answer"):
         if reply is not None:
             history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
         before = RouterCounts.scrape(url)
+        reused0 = sum(node_metric(d, "pdc_decode_reused_tokens_total") for d in decodes)
         r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": history, "max_tokens": 1}, timeout=60)
         assert r.status_code == 200, r.text
         exact, predicted, got, _ = RouterCounts.scrape(url).since(before)
         assert exact == 1 and predicted == got, f"chat: predicted {predicted}, the prefill reported {got}"
         reported.append(got)
+        # usage reports the decode's own hit beside the prefill's (which the fake data plane's
+        # missing aux row leaves at 0 on the decode), as the decodes counted it
+        details = r.json()["usage"]["prompt_tokens_details"]
+        reused = sum(node_metric(d, "pdc_decode_reused_tokens_total") for d in decodes) - reused0
+        assert details["decode_reused_tokens"] == reused, (details, reused)
     assert reported[1] >= 64, reported  # turn 1's prompt (~100 tokens) served from the cache
 
 
@@ -223,12 +230,14 @@ def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: Loca
     went, hits = [], []
     for turn in (1, 2):  # turn 1's prompt (~40 tokens) leaves two whole pages in its decode's cache
         before_reused, (picks0, predicted0, routed0) = reused(), decode_counts(url)
-        send(url, turn_text(11, turn))
+        answer = send(url, turn_text(11, turn))
         picks, predicted, routed = decode_counts(url)
         (d,) = [u for u, n in routed.items() if n > routed0.get(u, 0)]
         after = reused()
         got = {u: after[u] - before_reused[u] for u in decodes}
         assert picks - picks0 == 1 and predicted - predicted0 == sum(got.values()), (turn, predicted - predicted0, got)
+        # The decode's answer reports its own hit, and our router passes it on unchanged.
+        assert answer["meta_info"]["decode_reused_tokens"] == got[d], (turn, answer["meta_info"], got)
         went.append(d)
         hits.append(got[d])
         # The turn's pages reach the decode's cache when it releases the request; wait until the

@@ -229,6 +229,7 @@ def test_generate_single_text_and_input_ids_batch_match_hf(routed: Routed) -> No
     prompt = routed.tok.encode(text)
     assert out["meta_info"]["prompt_tokens"] == len(prompt)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert out["meta_info"]["decode_reused_tokens"] == 0  # the decode's answer, as it is (it keeps no cache)
     check_greedy(routed.cluster.model_dir, prompt, out["output_ids"], 6, "/generate text")
 
     # A batch: the router sends parallel lists of bootstrap hosts/ports/rooms, one room per item.
@@ -265,6 +266,7 @@ def test_n_samples_with_the_routers_single_room_match_hf(routed: Routed) -> None
     assert resp.status_code == 200, resp.text
     out = resp.json()
     assert [c["index"] for c in out["choices"]] == [0, 1] and out["usage"]["completion_tokens"] == 8
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "decode_reused_tokens": 0}, out["usage"]
     for c in out["choices"]:
         check_greedy_text(routed.cluster.model_dir, routed.tok.decode, job.prompt, c["text"], 4, "/v1/completions n=2")
     routed.cluster.wait_idle()

@@ -15,6 +15,18 @@ One router of ours per combination, each in front of only its nodes:
                                compiles on every rank, its readiness is agreed, the answer validates
     test_flush_cache_*         /flush_cache reaches every rank at the same step: a repeated prompt
                                hits the cache, is recomputed after the flush, and still equals HF
+    test_decode_prefix_cache_* both decodes keep their prefix cache
+                               (--disaggregation-decode-enable-radix-cache): a conversation's second
+                               turn reuses the first turn's whole pages on every rank of decode0
+                               (TP 2), from an equal (TP 2) and an unequal (TP 1) prefill, and on
+                               decode1 (TP 1) from a TP 2 prefill; only the rest is sent, and both
+                               turns equal HF
+    test_decode_flush_*        /flush_cache on decode0 empties every rank's cache at the same step: the
+                               same prompt again reuses nothing (a rank that kept its pages would
+                               name another prefix to the TP 1 prefill, which refuses such a room)
+    test_a_cached_page_*       garbage written through Mooncake into decode0's rank 1 pool only: the
+                               next turn finds the change on that rank, every rank drops the branch
+                               (the MIN over the ranks), nothing is reused, the answer equals HF
     test_client_abort_*        prefill1's rank 1 stops itself right before writing one room's KV
                                while its rank 0 writes the other half into decode1; the client
                                hangs up on the decode: the decode keeps the room's pages while
@@ -50,8 +62,10 @@ from tests.e2e.cluster import check_greedy, is_idle, memory, metric, wait_idle
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 FAULT_ROOM = 4_242_424_242  # a room our router never mints in this run (it draws from [0, 2^63))
+# INFO: each decode rank logs its Mooncake session (test_a_cached_page_* writes into one of them).
 NODE_ENV = {"PDC_HEARTBEAT_INTERVAL_S": "0.5", "PDC_HEARTBEAT_MAX_FAILURES": "2", "PDC_BOOTSTRAP_TIMEOUT_S": "10",
-            "PDC_WAITING_TIMEOUT_S": "15", "PDC_FAULT_STOP_BEFORE_WRITE_ROOM": str(FAULT_ROOM), "PDC_FAULT_STOP_RANK": "1"}
+            "PDC_WAITING_TIMEOUT_S": "15", "PDC_FAULT_STOP_BEFORE_WRITE_ROOM": str(FAULT_ROOM), "PDC_FAULT_STOP_RANK": "1",
+            "PDC_LOG_LEVEL": "INFO"}
 DEAD_PEER_BOUND_S = 10.0  # heartbeats every 0.5 s, dead after 2 misses; generous for a loaded 2-core box
 ROUTER_ARGS = ["--health-check-interval-s", "0.5", "--health-failure-threshold", "2", "--request-timeout-s", "45"]
 GEN = {"temperature": 0, "ignore_eos": True}
@@ -115,7 +129,8 @@ def tp(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.TempPath
     cluster = LocalCluster(logdir=str(tmp_path_factory.mktemp("pdc-tp-e2e")), env=NODE_ENV)
     try:
         cluster.start(model_dir, backend="mooncake", num_prefill=3, num_decode=2, prefill_tp=(2, 2, 1),
-                      decode_tp=(2, 1), router="none", startup_timeout_s=180)
+                      decode_tp=(2, 1), decode_args=["--disaggregation-decode-enable-radix-cache"], router="none",
+                      startup_timeout_s=180)
         routers = {name: cluster.start_router(name, nodes, ROUTER_ARGS)
                    for name, nodes in {**ROUTERS, "router-retry": RETRY_ROUTER}.items()}
         yield TPCluster(cluster, routers, model_dir)
@@ -180,6 +195,120 @@ def test_flush_cache_reaches_every_rank(tp: TPCluster) -> None:
     r = httpx.post(prefill + "/flush_cache", timeout=10)
     assert r.status_code == 200, r.text
     assert cached() == 0  # every rank dropped its cache at the same step: same pages, same answer
+    tp.wait_idle()
+
+
+@pytest.mark.parametrize("router", ["router-2to2", "router-1to2", "router-2to1"])
+def test_decode_prefix_cache_reuses_the_first_turn_on_every_rank(tp: TPCluster, router: str) -> None:
+    """Turn 2 = turn 1's prompt + its answer + new text. The decode keeps turn 1's whole pages and
+    receives only the pages past them, from a prefill of its own TP size or another; the answers
+    equal HF. Every rank reuses alike: from the TP 1 prefill, whose one rank serves both decode
+    ranks, a room whose ranks named different prefixes would be refused (the answer reports rank
+    0's reuse; a rank that diverged at equal TP is test_a_cached_page_*'s case)."""
+    page, url = 16, tp.routers[router]
+    decode = tp.node(ROUTERS[router][-1]).url
+
+    def turn(prompt: list[int]) -> tuple[list[int], dict]:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]
+
+    def counters() -> tuple[float, float]:
+        return metric(decode, "pdc_decode_transferred_tokens_total"), metric(decode, "pdc_decode_reused_tokens_total")
+
+    p1 = tp.tok.encode(f"{router}: the decode keeps this conversation's pages on each of its ranks " * 2)
+    out1, meta1 = turn(p1)
+    check_greedy(tp.model_dir, p1, out1, N_NEW, f"{router} turn 1")
+    assert meta1["decode_reused_tokens"] == 0, meta1
+    p2 = p1 + out1 + tp.tok.encode(" and the next turn sends only what is new")
+    before = counters()
+    out2, meta2 = turn(p2)
+    check_greedy(tp.model_dir, p2, out2, N_NEW, f"{router} turn 2")
+    # Turn 1 wrote KV for p1 + out1[:-1]: its whole pages; at least one token is left to receive.
+    want = min((len(p1) + len(out1) - 1) // page * page, (len(p2) - 1) // page * page)
+    assert want >= 2 * page and meta2["decode_reused_tokens"] == want, (want, meta2)
+    after = counters()
+    assert (after[0] - before[0], after[1] - before[1]) == (len(p2) - want, want)
+    tp.wait_idle()
+
+
+def test_decode_flush_cache_empties_every_rank(tp: TPCluster) -> None:
+    url, decode = tp.routers["router-1to2"], tp.node("decode0").url
+    prompt = tp.tok.encode("a prompt the decode caches, then forgets on both of its ranks " * 2)
+
+    def reused() -> int:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        check_greedy(tp.model_dir, prompt, r.json()["output_ids"], N_NEW, "decode flush")
+        return int(r.json()["meta_info"]["decode_reused_tokens"])
+
+    reused()
+    assert reused() == (len(prompt) - 1) // 16 * 16  # the prompt's whole pages but the last token's
+    tp.wait_idle()
+    r = httpx.post(decode + "/flush_cache", timeout=10)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert memory(decode)["cached_pages"] == 0
+    assert reused() == 0
+    tp.wait_idle()
+
+
+def _rank_session(tp: TPCluster, node: str, pid: int) -> str:
+    """The Mooncake session of one rank of ``node``: the session a rank of it logged whose port
+    that rank's process listens on."""
+    import re
+
+    from tests.e2e.test_prefix_cache_poisoning import listeners
+
+    with open(os.path.join(tp.cluster.logdir or "", f"{node}.log"), errors="replace") as f:
+        sessions = re.findall(r"decode KV manager up: status \S+, data (\S+)", f.read())
+    ports = {port for p, _, port in listeners(tp.cluster.procs[node].pid) if p == pid}
+    [session] = [s for s in set(sessions) if int(s.rsplit(":", 1)[1]) in ports]
+    return session
+
+
+def test_a_cached_page_changed_on_one_decode_rank_is_dropped_on_every_rank(tp: TPCluster) -> None:
+    """Each rank of a TP decode checks its own heads' cached pages before reuse; the ranks agree
+    on the first changed page (MIN), so a change one rank sees makes every rank drop the branch
+    from there: they lock the same prefix, the prefill sends the rest, the answer equals HF."""
+    import ctypes
+    import json
+
+    mooncake = pytest.importorskip("mooncake.engine")
+    page, url, node = 16, tp.routers["router-2to2"], "decode0"
+    decode = tp.node(node).url
+    _, rank1 = tp.info(node)["scheduler_rank_pids"]
+    p1 = tp.tok.encode("one rank of the decode finds this conversation's pages changed " * 2)
+    body = {"input_ids": p1, "sampling_params": {"max_new_tokens": N_NEW, **GEN}}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out1 = r.json()["output_ids"]
+    check_greedy(tp.model_dir, p1, out1, N_NEW, "before the write")
+    tp.wait_idle()
+    # Garbage over every page (but the reserved page 0) of rank 1's first buffer: its share of
+    # layer 0's K, 2 of the 4 KV heads. Rank 0's pool is untouched.
+    with open(os.path.join(tp.model_dir, "config.json")) as f:
+        hf = json.load(f)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    nbytes = page * (hf["num_key_value_heads"] // 2) * head_dim * 4  # float32
+    size = (memory(decode)["total_pages"] - 1) * nbytes
+    engine = mooncake.TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    garbage = ctypes.create_string_buffer(b"\x7f" * size, size)
+    assert engine.register_memory(ctypes.addressof(garbage), size) == 0
+    session = _rank_session(tp, node, rank1)
+    target = engine.get_first_buffer_address(session)
+    assert target, "the handshake named no buffer"
+    assert engine.batch_transfer_sync_write(session, [ctypes.addressof(garbage)], [target + nbytes], [size]) == 0
+    failures = metric(decode, "pdc_scheduler_kv_integrity_failures_total")
+    p2 = p1 + out1 + tp.tok.encode(" and the next turn must not read them")
+    r = httpx.post(url + "/generate", json={**body, "input_ids": p2}, timeout=60)
+    assert r.status_code == 200, r.text
+    check_greedy(tp.model_dir, p2, r.json()["output_ids"], N_NEW, "after the write on rank 1")
+    # Without the agreement rank 0 would reuse turn 1's pages and report them, rank 1 none.
+    assert r.json()["meta_info"]["decode_reused_tokens"] == 0, r.json()["meta_info"]
+    assert metric(decode, "pdc_scheduler_kv_integrity_failures_total") == failures + 1  # rank 0 counts it too
     tp.wait_idle()
 
 

@@ -34,6 +34,24 @@ def test_second_turn_receives_only_the_pages_past_the_cached_conversation() -> N
     m = rig.stats.metrics()
     assert m["pdc_decode_transferred_tokens_total"] == 10 + len(p2) - 16 and m["pdc_decode_reused_tokens_total"] == 16
     assert rig.final("t2").cached_tokens == 3  # the prefill's own hit (aux) is what meta_info reports
+    # Per request, beside it: this node's own hit (0 on the first turn, whose KV all arrived).
+    assert (rig.final("t1").decode_reused_tokens, rig.final("t2").decode_reused_tokens) == (0, 16)
+    rig.assert_clean()
+
+
+def test_every_streamed_output_reports_the_decode_reuse_and_a_local_request_none() -> None:
+    rig = Rig(prefix_cache=True)
+    p1 = prompt_of(11, 10)
+    o1 = _turn(rig, "t1", p1, 8, room=1)
+    p2 = p1 + o1 + [4, 4]
+    rig.add("t2", p2, 5, room=2, stream=True)
+    rig.run()
+    assert rig.tokens("t2") == reference(p2, 5)
+    outs = rig.outputs["t2"]
+    assert len(outs) > 1 and all(o.decode_reused_tokens == 16 for o in outs)  # from the first token on
+    rig.add("local", prompt_of(12, 6), 3)  # no room: computed here, nothing transferred or reused
+    rig.run()
+    assert rig.final("local").decode_reused_tokens is None
     rig.assert_clean()
 
 
@@ -53,7 +71,7 @@ def test_off_by_default_nothing_is_cached_and_every_page_is_sent() -> None:
     o1 = _turn(rig, "t1", p1, 8, room=1)
     _turn(rig, "t2", p1 + o1 + [1, 2], 3, room=2)
     assert rig.hub.rx[2].prefix_len == 0 and rig.memory.cache.total_pages() == 0
-    assert rig.sched.counters.reused_tokens == 0
+    assert rig.sched.counters.reused_tokens == 0 and rig.final("t2").decode_reused_tokens == 0
     rig.assert_clean()
 
 

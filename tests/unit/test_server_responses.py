@@ -123,6 +123,28 @@ def test_completion_body_usage_counts_each_prompt_once(tok: Tokenizer, ids: list
                              "prompt_tokens_details": {"cached_tokens": 4}}
 
 
+def test_a_decodes_reuse_is_reported_beside_the_prefills_hit(tok: Tokenizer, ids: list[int]) -> None:
+    """A decode's answer to a disaggregated request carries its own prefix-cache hit
+    (``decode_reused_tokens``) in meta_info and in usage.prompt_tokens_details, counted once per
+    prompt like cached_tokens; any other answer (a prefill's, a local request's) has no such key."""
+    req = make_req("completion", [[1, 2, 3], [4, 5]], n=2)
+    states = [SubState.new(sub, tok) for sub in req.subs]
+    for k, s in enumerate(states):
+        s.apply(ReqOutput(rid=s.sub.rid, new_token_ids=[ids[0]], prompt_tokens=len(s.sub.input_ids),
+                          completion_tokens=1, cached_tokens=2, decode_reused_tokens=16 * (k + 1)))
+        s.apply(ReqOutput(rid=s.sub.rid, new_token_ids=[ids[1]], finish=FinishReason(type="length", length=2),
+                          prompt_tokens=len(s.sub.input_ids), completion_tokens=2, cached_tokens=2,
+                          decode_reused_tokens=16 * (k + 1)))
+    # samples 0 and 2 are each prompt's first: 16 + 48
+    assert usage(req, states)["prompt_tokens_details"] == {"cached_tokens": 4, "decode_reused_tokens": 64}
+    native = make_req("generate", [[1, 2, 3]])
+    assert native_body(native, [states[1]], tok)["meta_info"]["decode_reused_tokens"] == 32
+    plain = SubState.new(native.subs[0], tok)
+    feed(plain, ids[:2], FinishReason(type="length", length=2))  # no decode_reused_tokens in its outputs
+    assert "decode_reused_tokens" not in native_body(native, [plain], tok)["meta_info"]
+    assert usage(native, [plain])["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
 def test_chat_body_with_logprobs(tok: Tokenizer, ids: list[int]) -> None:
     req = make_req("chat", [[1, 2]], logprob=True, top=2)
     s = SubState.new(req.subs[0], tok)
