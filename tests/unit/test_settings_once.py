@@ -72,3 +72,26 @@ def test_every_flag_is_in_operations(command: str) -> None:
     flags = {o for a in _parsers()[command]._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     missing = sorted(flag for flag in flags if f"`{flag}" not in ops)
     assert not missing, f"pdcluster {command} flags with no line in docs/OPERATIONS.md: {missing}"
+
+
+def test_each_environment_variable_is_declared_once_and_read_only_there() -> None:
+    """``common.envs`` declares every PDC_ variable with its default and doc line; code elsewhere
+    reads it through that declaration (``envs.X.get()``), never from ``os.environ`` with a default
+    of its own."""
+    import re
+
+    from common import envs
+
+    names = [v.name for v in envs.all_vars()]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+    direct = re.compile(r"""os\.(?:environ(?:\.get|\.setdefault|\.pop)?\s*[\[(]|getenv\s*\()\s*f?["']PDC_""")
+    offenders = []
+    for package in ("common", "router", "prefill_node", "decode_node", "transfer", "bootstrap_server"):
+        for root, _, files in os.walk(os.path.join(REPO, package)):
+            for name in files:
+                path = os.path.join(root, name)
+                if not name.endswith(".py") or path == os.path.join(REPO, "common", "envs.py"):
+                    continue
+                with open(path) as f:
+                    offenders += [f"{os.path.relpath(path, REPO)}:{i}" for i, line in enumerate(f, 1) if direct.search(line)]
+    assert not offenders, f"PDC_ variables read around common.envs: {offenders}"
