@@ -115,11 +115,19 @@ class Forwarder:
                 break  # report the failure that emptied the rotation, not the empty rotation
             leg_body = self._with_rid(body, attempt)
             # The decode counts as busy for the whole request; the prefill only until it answers
-            # (in _prefill): after that the request costs it nothing.
-            with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
-                self._policies["prefill"].on_routed(p, route)
-                self._policies["decode"].on_routed(d, route)
-                result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline, key)
+            # (_prefill releases it): after that the request costs it nothing. Both count from the
+            # pick on, before anything awaits: a burst's requests are all picked before any of
+            # their legs runs, and each pick must see the ones before it (else the whole burst
+            # looks at idle workers and lands on one).
+            release_prefill = self._hold_prefill(p, key)
+            try:
+                with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
+                    self._policies["prefill"].on_routed(p, route)
+                    self._policies["decode"].on_routed(d, route)
+                    result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline,
+                                             release_prefill, key)
+            finally:
+                release_prefill()  # a prefill leg that never ran (idempotent)
             if not isinstance(result, Failure):
                 return result
             failure = result
@@ -166,7 +174,8 @@ class Forwarder:
     # ---- one try -------------------------------------------------------------------------------
 
     async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker, d: Worker,
-                   room: int, marks: Marks, deadline: float, key: RouteKey | None = None) -> web.StreamResponse | Failure:
+                   room: int, marks: Marks, deadline: float, release_prefill: Callable[[], None],
+                   key: RouteKey | None = None) -> web.StreamResponse | Failure:
         t0 = marks.arrival
         boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
         pbody = {**body, **boot, "stream": False}
@@ -174,7 +183,7 @@ class Forwarder:
         dbody = {**body, **boot}
         path = PATHS[endpoint]
         marks.sent = time.monotonic()
-        prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline, endpoint, info, key))
+        prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline, release_prefill, endpoint, info, key))
         decode = asyncio.create_task(self._open(d, path, dbody))
         d_resp: aiohttp.ClientResponse | None = None
         try:
@@ -228,26 +237,40 @@ class Forwarder:
             if decode.done() and not decode.cancelled() and isinstance(decode.result(), aiohttp.ClientResponse):
                 decode.result().close()  # not read to its end (a failure, a disconnect): drop the connection
 
-    async def _prefill(self, p: Worker, path: str, body: dict, deadline: float, endpoint: str = "",
-                       info: RequestInfo | None = None, key: RouteKey | None = None) -> dict | list | None | Failure:
-        """The prefill node's whole answer (its KV is in the decode's pages by then), or why not.
-        With token ids, the tokens it must compute count as queued on it until it answers, and
-        its reported cache hit is compared with the prediction (``pdc_router_kv_predictions``)."""
+    def _hold_prefill(self, p: Worker, key: RouteKey | None) -> Callable[[], None]:
+        """Count ``p`` busy, and with token ids the tokens it must compute as queued on it, until
+        the returned release (idempotent) is called: when its leg ends, however it ends."""
         predicted = key.predicted.get(p.url) if key is not None and key.tokens is not None else None
         queued = len(key.tokens) - (predicted or 0) if key is not None and key.tokens is not None else 0
         p.queued_tokens += queued
+        release_busy = self._workers.hold(p)
+
+        def release() -> None:
+            nonlocal queued
+            p.queued_tokens -= queued
+            queued = 0
+            release_busy()
+
+        return release
+
+    async def _prefill(self, p: Worker, path: str, body: dict, deadline: float, release: Callable[[], None],
+                       endpoint: str = "", info: RequestInfo | None = None,
+                       key: RouteKey | None = None) -> dict | list | None | Failure:
+        """The prefill node's whole answer (its KV is in the decode's pages by then), or why not;
+        ``release`` ends its count as busy (``_hold_prefill``). Its reported cache hit is compared
+        with the prediction (``pdc_router_kv_predictions``)."""
+        predicted = key.predicted.get(p.url) if key is not None and key.tokens is not None else None
         try:
-            with self._workers.busy(p):
-                async with asyncio.timeout_at(deadline), self._session.post(p.url + path, json=body) as r:
-                    raw = await r.read()
-                    status = r.status
+            async with asyncio.timeout_at(deadline), self._session.post(p.url + path, json=body) as r:
+                raw = await r.read()
+                status = r.status
         except TimeoutError:
             return Failure(f"prefill {p.url} did not answer before the request's deadline", False)
         except _CONNECTION_ERRORS as exc:
             self._workers.mark_failed(p, f"{type(exc).__name__}: {exc}")
             return Failure(f"prefill {p.url}: {type(exc).__name__}: {exc}", True, (p,))
         finally:
-            p.queued_tokens -= queued
+            release()
         answer = _judge("prefill", p, status, raw)
         if predicted is not None and info is not None and info.sequences == 1 and not isinstance(answer, Failure):
             reported = reported_cached_tokens(endpoint, answer)

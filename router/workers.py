@@ -110,17 +110,28 @@ class Workers:
 
     # ---- request accounting ----------------------------------------------------------------------
 
+    def hold(self, w: Worker) -> Callable[[], None]:
+        """Count ``w`` busy from now on; the returned release ends it (once: later calls do nothing)."""
+        w.inflight += 1
+        w.routed += 1
+        held = [True]
+
+        def release() -> None:
+            if held:
+                held.clear()
+                w.inflight -= 1
+                self._forget_if_drained(w)
+
+        return release
+
     @contextlib.contextmanager
     def busy(self, *workers: Worker):  # type: ignore[no-untyped-def]
-        for w in workers:
-            w.inflight += 1
-            w.routed += 1
+        releases = [self.hold(w) for w in workers]
         try:
             yield
         finally:
-            for w in workers:
-                w.inflight -= 1
-                self._forget_if_drained(w)
+            for release in releases:
+                release()
 
     def mark_failed(self, w: Worker, reason: str) -> None:
         """A connection to ``w`` failed while forwarding: out of rotation until a probe succeeds."""

@@ -409,3 +409,28 @@ def test_flush_cache_fans_out_and_metrics_count_requests() -> None:
                 assert (await r.json()) == {"data": [{"id": "m"}]}
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "cache-aware"])
+def test_a_burst_is_spread_because_each_pick_counts_the_ones_before_it(policy: str) -> None:
+    """Eight requests at once: the router picks all of them before any prefill leg has started,
+    so a prefill must count as busy from its pick on, not from when its leg first runs (else
+    every pick sees idle workers and the whole burst lands on one)."""
+    release = asyncio.Event()
+
+    async def held_prefill(fake: Fake, request: web.Request, body: dict) -> web.StreamResponse:
+        await asyncio.wait_for(release.wait(), 20)
+        return await ok_prefill(fake, request, body)
+
+    async def body() -> None:
+        async with router_over([held_prefill, held_prefill], [ok_decode], "--prefill-policy", policy) as c:
+            burst = [asyncio.create_task(c.post("/generate", {**GEN, "text": f"burst {i} " * 8})) for i in range(8)]
+            async with asyncio.timeout(10):
+                while sum(len(p.received) for p in c.prefills) < 8:
+                    await asyncio.sleep(0.02)
+            counts = sorted(len(p.received) for p in c.prefills)
+            release.set()
+            assert all(s == 200 for s, _ in await asyncio.gather(*burst))
+            assert counts == [4, 4], f"the burst went {counts} over two idle prefills"
+
+    asyncio.run(body())
