@@ -217,14 +217,17 @@ class Forwarder:
                         self._metrics.ttft.labels(endpoint).observe(time.monotonic() - t0)
                         resp = web.Response(body=out, status=200, content_type="application/json")
                         with contextlib.suppress(ValueError):
-                            used = reported_usage(json.loads(out))
+                            answer = json.loads(out)
+                            used = reported_usage(answer)
                             if used is not None:
                                 request[USAGE] = used
+                            self._decode_reported(d, info, key, endpoint, answer)
                         return self._finish(endpoint, t0, resp)
             except TimeoutError:
                 msg = f"no complete answer within the router's request timeout ({self._cfg.request_timeout_s:g} s)"
                 return Failure(msg, False, response=error_response(504, msg), kind="timeout")
-            resp = await self._pipe(request, endpoint, p, d, d_resp, marks, prefill, deadline, info.sequences)
+            resp = await self._pipe(request, endpoint, p, d, d_resp, marks, prefill, deadline, info.sequences,
+                                    lambda last: self._decode_reported(d, info, key, endpoint, last))
             # The prefill answers about when the first token exists; wait for it (bounded by its
             # deadline) so its in-flight count and the rooms are released only once it is done.
             await asyncio.gather(prefill, return_exceptions=True)
@@ -280,6 +283,17 @@ class Forwarder:
                     log.debug("prefill %s: predicted %d cached tokens, it reported %d", p.url, predicted, reported)
         return answer
 
+    def _decode_reported(self, d: Worker, info: RequestInfo, key: RouteKey | None, endpoint: str,
+                         answer: object) -> None:
+        """The decode's answer (or a stream's last frame) reports what it reused
+        (``decode_reused_tokens``): compared with what was predicted for it, per request."""
+        if key is None or key.tokens is None or info.sequences != 1:
+            return
+        predicted = key.decode_predicted.get(d.url)
+        reported = reported_cached_tokens(endpoint, answer, "decode_reused_tokens")
+        if predicted is not None and reported is not None:
+            self._metrics.decode_prediction(predicted, reported)
+
     def _decode_prediction(self, d: Worker, info: RequestInfo, key: RouteKey | None) -> None:
         """The decode took the request (its 200): the prefix hit predicted for it is what it reused
         (it chose its cached prefix before answering), so the decode's
@@ -310,9 +324,11 @@ class Forwarder:
         return judged
 
     async def _pipe(self, request: web.Request, endpoint: str, p: Worker, d: Worker, d_resp: aiohttp.ClientResponse,
-                    marks: Marks, prefill: asyncio.Task, deadline: float, sequences: int) -> web.StreamResponse:
+                    marks: Marks, prefill: asyncio.Task, deadline: float, sequences: int,
+                    on_last: Callable[[dict], None]) -> web.StreamResponse:
         """Pass the decode's SSE stream on, frame by frame, as it arrives. Committed: a failure
-        from here on reaches the client as an SSE error event, then [DONE]."""
+        from here on reaches the client as an SSE error event, then [DONE]. ``on_last`` gets the
+        last data frame of a stream that ended well."""
         t0 = marks.arrival
         observe = self._stage_observer(endpoint)
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
@@ -362,6 +378,9 @@ class Forwarder:
             used = stream_usage(tail, sequences)
             if used is not None:
                 request[USAGE] = used
+            last = last_frame(tail)
+            if last is not None:
+                on_last(last)
         with contextlib.suppress(ClientGone, ConnectionError):
             if error is not None and reason != "client_gone":
                 await _write_to_client(resp, b"data: " + json.dumps(error_body(status, msg)).encode() + b"\n\n" + DONE)
@@ -421,31 +440,38 @@ def reported_usage(answer: object) -> float | None:
     return None
 
 
-def stream_usage(last_frames: bytes, sequences: int) -> float | None:
-    """Prompt + completion tokens of a finished stream: its last data frame's ``usage`` (OpenAI
-    with ``include_usage``: over every sequence), or its ``meta_info`` when there is one
-    sequence (/generate frames state their own sequence's count); else None (unknown)."""
-    data = [f for f in last_frames.split(b"\n\n") if f.startswith(b"data: ") and f != DONE.strip()]
+def last_frame(frames: bytes) -> dict | None:
+    """The last data frame of a stream's tail, parsed, or None."""
+    data = [f for f in frames.split(b"\n\n") if f.startswith(b"data: ") and f != DONE.strip()]
     try:
         obj = json.loads(data[-1][6:]) if data else None
     except ValueError:
         return None
-    if not isinstance(obj, dict) or (not isinstance(obj.get("usage"), dict) and sequences != 1):
+    return obj if isinstance(obj, dict) else None
+
+
+def stream_usage(last_frames: bytes, sequences: int) -> float | None:
+    """Prompt + completion tokens of a finished stream: its last data frame's ``usage`` (OpenAI
+    with ``include_usage``: over every sequence), or its ``meta_info`` when there is one
+    sequence (/generate frames state their own sequence's count); else None (unknown)."""
+    obj = last_frame(last_frames)
+    if obj is None or (not isinstance(obj.get("usage"), dict) and sequences != 1):
         return None
     return reported_usage(obj)
 
 
-def reported_cached_tokens(endpoint: str, answer: object) -> int | None:
-    """The cached prompt tokens a prefill's JSON answer reports (``meta_info`` on /generate,
-    ``usage.prompt_tokens_details`` on the OpenAI routes), or None."""
+def reported_cached_tokens(endpoint: str, answer: object, field: str = "cached_tokens") -> int | None:
+    """The cached prompt tokens a JSON answer reports (``meta_info`` on /generate,
+    ``usage.prompt_tokens_details`` on the OpenAI routes), or None: ``cached_tokens`` (the
+    prefill's hit) or ``decode_reused_tokens`` (a decode's own)."""
     if not isinstance(answer, dict):
         return None
     if endpoint == "generate":
-        value = (answer.get("meta_info") or {}).get("cached_tokens") if isinstance(answer.get("meta_info"), dict) else None
+        value = (answer.get("meta_info") or {}).get(field) if isinstance(answer.get("meta_info"), dict) else None
     else:
         usage = answer.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-        value = details.get("cached_tokens") if isinstance(details, dict) else None
+        value = details.get(field) if isinstance(details, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

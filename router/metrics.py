@@ -24,6 +24,9 @@ With ``--tokenizer-path`` (exact cache-aware routing, router/kv_index.py; the de
     pdc_router_kv_decode_predicted_tokens_total       predicted decode prefix hits (tokens) of single-sequence
                                                       requests a decode took: what they should add to its
                                                       pdc_decode_reused_tokens_total
+    pdc_router_kv_decode_predictions_total{outcome}   those whose decode reported decode_reused_tokens in its
+                                                      answer: exact, over, under (the prediction)
+    pdc_router_kv_decode_reported_tokens_total        the decode_reused_tokens those answers reported
     pdc_router_kv_index_{blocks,synced}{worker}       the index per worker (prefill or decode), read at scrape
 
 ``RecentLatency`` keeps the last minute of streamed requests' TTFT and TPOT per worker for the
@@ -190,16 +193,27 @@ class RouterMetrics:
                                    "for the same requests", registry=r)
         self.kv_decode_predicted = Counter("pdc_router_kv_decode_predicted_tokens", "predicted decode prefix hits "
                                            "(tokens) of single-sequence requests a decode took", registry=r)
+        self.kv_decode_predictions = Counter("pdc_router_kv_decode_predictions", "predicted vs reported decode "
+                                             "prefix hits (decode_reused_tokens), per request", ["outcome"], registry=r)
+        self.kv_decode_reported = Counter("pdc_router_kv_decode_reported_tokens", "decode_reused_tokens the decodes "
+                                          "reported for the same requests", registry=r)
 
     def watch_kv(self, index: KVIndex, picks: dict[str, Callable[[], dict[str, int]]]) -> None:
         """``picks``: by role, the exact policies' picks by mode."""
         self.registry.register(_KVCollector(index, picks))
 
     def prediction(self, predicted: int, reported: int) -> None:
-        outcome = "exact" if predicted == reported else "over" if predicted > reported else "under"
-        self.kv_predictions.labels(outcome).inc()
+        self.kv_predictions.labels(_outcome(predicted, reported)).inc()
         self.kv_predicted.inc(predicted)
         self.kv_reported.inc(reported)
 
+    def decode_prediction(self, predicted: int, reported: int) -> None:
+        self.kv_decode_predictions.labels(_outcome(predicted, reported)).inc()
+        self.kv_decode_reported.inc(reported)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _outcome(predicted: int, reported: int) -> str:
+    return "exact" if predicted == reported else "over" if predicted > reported else "under"

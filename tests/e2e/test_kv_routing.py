@@ -15,6 +15,7 @@ qwen3; one cluster for the module, with a cluster secret (sealed events, signed 
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -94,6 +95,18 @@ def send(url: str, text: str) -> dict:
                    timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def send_streamed(url: str, text: str) -> dict:
+    """/generate streamed: its last data frame (cumulative, with the request's meta_info)."""
+    body = {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "stream": True}
+    last: dict = {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+    return last
 
 
 def node_metric(url: str, name: str) -> float:
@@ -230,7 +243,8 @@ def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: Loca
     went, hits = [], []
     for turn in (1, 2):  # turn 1's prompt (~40 tokens) leaves two whole pages in its decode's cache
         before_reused, (picks0, predicted0, routed0) = reused(), decode_counts(url)
-        answer = send(url, turn_text(11, turn))
+        outcomes0 = samples(metrics(url), "pdc_router_kv_decode_predictions_total")
+        answer = (send if turn == 1 else send_streamed)(url, turn_text(11, turn))  # turn 2 streamed
         picks, predicted, routed = decode_counts(url)
         (d,) = [u for u, n in routed.items() if n > routed0.get(u, 0)]
         after = reused()
@@ -238,6 +252,10 @@ def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: Loca
         assert picks - picks0 == 1 and predicted - predicted0 == sum(got.values()), (turn, predicted - predicted0, got)
         # The decode's answer reports its own hit, and our router passes it on unchanged.
         assert answer["meta_info"]["decode_reused_tokens"] == got[d], (turn, answer["meta_info"], got)
+        # ... and the router compared it with its prediction, per request (the stream's last frame too).
+        outcomes = samples(metrics(url), "pdc_router_kv_decode_predictions_total")
+        grew = {k: v - outcomes0.get(k, 0.0) for k, v in outcomes.items() if v != outcomes0.get(k, 0.0)}
+        assert grew == {'outcome="exact"': 1.0}, (turn, grew)
         went.append(d)
         hits.append(got[d])
         # The turn's pages reach the decode's cache when it releases the request; wait until the

@@ -103,6 +103,12 @@ def test_the_prefills_reported_hit_is_read_from_either_answer_shape() -> None:
     assert reported_cached_tokens("completions", {"usage": {"prompt_tokens": 3}}) is None
     assert reported_cached_tokens("generate", [{"meta_info": {"cached_tokens": 1}}]) is None  # a batch
     assert reported_cached_tokens("generate", {"meta_info": {"cached_tokens": True}}) is None
+    # A decode's own hit, beside the prefill's, in both shapes.
+    answer = {"meta_info": {"cached_tokens": 48, "decode_reused_tokens": 32}}
+    assert reported_cached_tokens("generate", answer, "decode_reused_tokens") == 32
+    details = {"usage": {"prompt_tokens_details": {"cached_tokens": 0, "decode_reused_tokens": 16}}}
+    assert reported_cached_tokens("chat", details, "decode_reused_tokens") == 16
+    assert reported_cached_tokens("generate", {"meta_info": {"cached_tokens": 48}}, "decode_reused_tokens") is None
 
 
 def test_the_router_tokenizes_prompts_as_the_node_does(tiny_qwen3: str) -> None:
