@@ -71,6 +71,9 @@ class ParsedRequest:
     n: int = 1  # samples per prompt; sub-request i*n + j is sample j of prompt i
     batch: bool = False  # native only: answer with a list
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    # stream_options.continuous_usage_stats (vLLM's): usage on every chunk, and a chunk for every
+    # decoded token even when its text is not visible yet
+    continuous_usage: bool = False
     return_text_in_logprobs: bool = False  # native only
     return_timeline: bool = False  # OpenAI only: add each choice's stage timeline (native: always)
     arrival_time: float = field(default_factory=time.time)

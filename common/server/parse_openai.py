@@ -49,8 +49,8 @@ _UNSUPPORTED = ("structural_tag", "suffix", "echo",
                 "functions", "continue_final_message")
 
 
-def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
-    """(n, stream, include_usage) after the checks both endpoints share."""
+def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, tuple[bool, bool]]:
+    """(n, stream, (include_usage, continuous_usage_stats)) after the checks both endpoints share."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     reject_unsupported(body, _UNSUPPORTED)
@@ -68,7 +68,9 @@ def _common(body: Any, cfg: ApiConfig) -> tuple[int, bool, bool]:
     if opts is not None and not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object")
     include_usage = get_bool(opts or {}, "include_usage")
-    return n, stream, include_usage
+    # vLLM's extension, which benchmark clients use for exact token counts per chunk.
+    continuous = get_bool(opts or {}, "continuous_usage_stats")
+    return n, stream, (include_usage, continuous)
 
 
 def _max_tokens(body: dict, default: int) -> int:
@@ -138,7 +140,7 @@ def _grammar(body: dict) -> dict[str, str | None]:
 
 
 def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts: list[list[int]], n: int,
-             max_new: int, logprob: bool, top: int, stream: bool, include_usage: bool,
+             max_new: int, logprob: bool, top: int, stream: bool, include_usage: tuple[bool, bool],
              tools: ToolPlan | None = None) -> ParsedRequest:
     count = len(prompts) * n
     if count > cfg.max_batch_size:
@@ -170,7 +172,8 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
             finalize_sub(sub, cfg, tok.vocab_size, sample=j)
             subs.append(sub)
     return ParsedRequest(kind=kind, rid=parent, subs=subs, stream=stream,  # type: ignore[arg-type]
-                         model=cfg.model_name, n=n, include_usage=include_usage,
+                         model=cfg.model_name, n=n, include_usage=include_usage[0],
+                         continuous_usage=include_usage[1],
                          return_timeline=get_bool(body, "return_timeline"), tools=tools)
 
 

@@ -52,6 +52,15 @@ def usage(req: ParsedRequest, states: list[SubState]) -> dict:
     }
 
 
+def _choice_usage(s: SubState) -> dict:
+    """One choice's usage so far (a stream's continuous usage stats)."""
+    details: dict[str, int] = {"cached_tokens": s.cached_tokens}
+    if s.decode_reused_tokens is not None:
+        details["decode_reused_tokens"] = s.decode_reused_tokens
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens, "prompt_tokens_details": details}
+
+
 # ---- native ------------------------------------------------------------------------------------
 
 
@@ -179,10 +188,15 @@ class StreamShaper:
         self._calls_sent: dict[int, list[int]] = {}
         self._scanners: dict[int, CallScanner] = {}  # chat with tools: each choice's calls, read as it grows
 
-    def _openai(self, choice: dict) -> bytes:
+    def _openai(self, choice: dict, counted: SubState | None = None) -> bytes:
+        """One chunk; with ``counted`` (continuous usage stats) it carries that choice's usage so
+        far: its prompt and the tokens it has generated, as vLLM reports them per chunk."""
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        return sse({"id": self.req.rid, "object": obj, "created": self.created, "model": self.req.model,
-                    "choices": [choice]})
+        chunk = {"id": self.req.rid, "object": obj, "created": self.created, "model": self.req.model,
+                 "choices": [choice]}
+        if counted is not None:
+            chunk["usage"] = _choice_usage(counted)
+        return sse(chunk)
 
     def update(self, s: SubState, delta: str) -> list[bytes]:
         """Chunks for what ``s`` gained since the last call (``delta``: newly visible text)."""
@@ -193,7 +207,8 @@ class StreamShaper:
                 return []
             return [sse(native_item(self.req, s, self.tok, stream=True))]
         reason, matched = _finish(s)
-        if not delta and reason is None and not (s.sub.return_logprob and end > start):
+        counted = self.req.continuous_usage and end > start
+        if not delta and reason is None and not (s.sub.return_logprob and end > start) and not counted:
             return []
         idx = s.sub.index
         chunks = []
@@ -206,7 +221,7 @@ class StreamShaper:
             delta_obj: dict = {"content": delta} if delta else {}
             if self.req.tools is not None:
                 delta_obj, reason = self._tool_delta(s, reason)
-                if not delta_obj and reason is None and lp is None:
+                if not delta_obj and reason is None and lp is None and not counted:
                     return chunks
             choice = {"index": idx, "delta": delta_obj, "logprobs": lp, "finish_reason": reason}
         else:
@@ -219,7 +234,7 @@ class StreamShaper:
         if reason is not None:
             choice["matched_stop"] = matched
             _with_timeline(self.req, s, choice)
-        chunks.append(self._openai(choice))
+        chunks.append(self._openai(choice, s if self.req.continuous_usage else None))
         return chunks
 
     def _tool_delta(self, s: SubState, reason: str | None) -> tuple[dict, str | None]:

@@ -192,7 +192,10 @@ def test_completion_extras_map_to_sampling(cfg: ApiConfig, tok: Tokenizer) -> No
             "min_p": 0.1, "repetition_penalty": 1.2, "stop_token_ids": [3], "ignore_eos": True, "logprobs": 2,
             "stop": ["\n"], "stream": True, "stream_options": {"include_usage": True}}
     req = parse_completion(body, cfg, tok)
-    assert req.stream and req.include_usage and req.n == 2
+    assert req.stream and req.include_usage and req.n == 2 and not req.continuous_usage
+    body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    again = parse_completion(body, cfg, tok)
+    assert again.continuous_usage and not again.include_usage
     assert [s.input_ids for s in req.subs] == [[5, 6], [5, 6], [7], [7]]
     s = req.subs[0].sampling
     assert (s.top_k, s.min_p, s.repetition_penalty, s.stop_token_ids, s.ignore_eos, s.stop) == \

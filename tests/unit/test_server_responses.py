@@ -197,6 +197,33 @@ def test_chat_stream_role_first_deltas_sum_to_text_then_usage(tok: Tokenizer, id
     assert all(o["object"] == "chat.completion.chunk" and o["id"] == "req-1" for o in objs)
 
 
+def test_continuous_usage_gives_every_token_a_chunk_with_its_count(tok: Tokenizer, ids: list[int]) -> None:
+    """stream_options.continuous_usage_stats: a token whose text is held back (here: it may be
+    the start of a stop string) still gets its chunk, and each chunk says how many tokens the
+    choice has so far; without the option the held-back token sends nothing."""
+    toks = [ids[0], ids[1], ids[2]]  # " cache node page": " node" may begin the stop " nodeX"
+    seen = {}
+    for continuous in (False, True):
+        req = make_req("completion", [[1, 2]], stop=[" nodeX"])
+        req.continuous_usage = continuous
+        s = SubState.new(req.subs[0], tok)
+        shaper = StreamShaper(req, tok)
+        chunks: list[bytes] = []
+        for k, t in enumerate(toks):
+            fin = FinishReason(type="length", length=3) if k == 2 else None
+            delta = s.apply(ReqOutput(rid=s.sub.rid, new_token_ids=[t], finish=fin, prompt_tokens=2,
+                                      completion_tokens=k + 1, cached_tokens=1, decode_reused_tokens=0))
+            chunks += shaper.update(s, delta)
+        seen[continuous] = parse_sse(chunks)
+    plain, counted = seen[False], seen[True]
+    assert len(plain) == 2 and all("usage" not in o for o in plain)
+    assert [o["choices"][0]["text"] for o in counted] == [" cache", "", " node page"]
+    assert [o["usage"]["completion_tokens"] for o in counted] == [1, 2, 3]
+    assert counted[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                    "prompt_tokens_details": {"cached_tokens": 1, "decode_reused_tokens": 0}}
+    assert "".join(o["choices"][0]["text"] for o in counted) == tok.decode(toks)
+
+
 def test_native_stream_is_cumulative_and_skips_empty_updates(tok: Tokenizer, ids: list[int]) -> None:
     req = make_req("generate", [[1]])
     s = SubState.new(req.subs[0], tok)
