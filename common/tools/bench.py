@@ -21,8 +21,9 @@ Run::
          random lengths (--input-len, --output-len, --range-ratio) or --workload mixed
          (--mixed-lengths, default 90 % 128-token and 10 % 2048-token prompts), token-id prompts,
          ignore_eos; --request-rate-sweep R1,R2,...: the workload once per rate, same target;
-         or --workload multiturn: --num-conversations x --num-turns in rounds, each turn resending
-         the conversation (common/tools/bench_multiturn.py), reported per turn
+         or --workload multiturn: --num-conversations x --num-turns, each conversation on its own
+         clock (arrivals at --request-rate conversations/s, --think-time between turns), each turn
+         resending the conversation (common/tools/bench_multiturn.py), reported per turn
       -> wait (bounded) until every node is idle -> /debug/memory + /metrics "after"
       -> report: counts and failure reasons, throughput, TTFT / ITL / TPOT / E2E, goodput,
          leak check (after vs before), scheduler counter deltas, CPU seconds per process;
@@ -77,6 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--peer-args", default="",
                    help="--compare: extra flags for the peer's server, one shell-quoted string (e.g. \"--stream-interval 4\" "
                         "with --decode-args \"--stream-interval 4\", to compare at the same setting)")
+    t.add_argument("--peer-first", action="store_true",
+                   help="--compare: run the peer before ours (alternate the order over repeated runs)")
     t.add_argument("--paired-direct", action="store_true",
                    help="--launch: send every request twice, one at a time, through the router and straight to the "
                         "pair, in random order; report the router's added latency per pair (common/tools/bench_paired.py)")
@@ -94,7 +97,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("--output-len", type=int, default=128, help="longest output (tokens)")
     w.add_argument("--range-ratio", type=float, default=0.25,
                    help="lengths are uniform in [len * ratio, len] (1: fixed lengths)")
-    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate in req/s (inf: all at once)")
+    w.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate in req/s (inf: all at once); "
+                   "--workload multiturn: conversations per second")
     w.add_argument("--workload", default="random", choices=("random", "mixed", "multiturn"),
                    help="random: lengths from --input-len/--range-ratio; mixed: prompt lengths from --mixed-lengths; "
                         "multiturn: --num-conversations x --num-turns, each turn's prompt the previous prompt + its "
@@ -165,6 +169,8 @@ def check_args(a: argparse.Namespace) -> str | None:
         return "a pair without a router is sent /generate: drop --endpoint"
     if a.peer_args and not a.compare:
         return "--peer-args are the peer's flags: add --compare"
+    if a.peer_first and not a.compare:
+        return "--peer-first orders a --compare run: add --compare"
     if a.max_concurrency is not None and a.max_concurrency < 1:
         return "--max-concurrency must be >= 1"
     if a.warmup_requests < 0 or a.num_prompts < 1:
@@ -181,7 +187,7 @@ def check_args(a: argparse.Namespace) -> str | None:
         if a.endpoint != "generate":
             return "--workload multiturn builds each turn from the answer's token ids: /generate only (drop --endpoint)"
         if a.request_rate_sweep or a.paired_direct or a.compare:
-            return "--workload multiturn runs rounds of turns: drop --request-rate-sweep / --paired-direct / --compare"
+            return "--workload multiturn runs conversations, not a request stream: drop --request-rate-sweep / --paired-direct / --compare"
     a.mix = None
     if a.workload == "mixed":
         try:

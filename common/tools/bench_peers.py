@@ -5,6 +5,7 @@ same client and the same load, printed as one table (and one JSON with both runs
     ours:  nodes + router (as --launch would start them) -> workload via the router -> stop
     peer:  scripts/peers/<peer>.sh serve MODEL PORT (its own venv) -> /health -> the same
            workload (same seed, warm-up, concurrency, endpoint) -> stop
+    (--peer-first: the peer's run first, to alternate the order over repeated runs)
 
 Both runs call ``/v1/completions`` with token-id prompts (the endpoint every OpenAI server has),
 so the same client code times both. The peer gets the whole machine, as it would in production;
@@ -105,12 +106,26 @@ def compare(a: argparse.Namespace, model: str) -> int:
     json_path = a.json_path
     stem = os.path.splitext(json_path)[0] if json_path else None
     swept = bool(getattr(a, "rates", None))
-    print("==== pdcluster", flush=True)
-    a.json_path = f"{stem}.pdcluster.json" if swept and stem else json_path  # each engine's rate files apart
-    rc_ours, runs["pdcluster"] = run_launched(a, model)
-    print(f"==== {a.compare}", flush=True)
-    a.json_path = f"{stem}.{a.compare}.json" if swept and stem else json_path
-    rc_peer, runs[a.compare] = run_peer(a, model)
+
+    def ours() -> tuple[int, dict]:
+        print("==== pdcluster", flush=True)
+        a.json_path = f"{stem}.pdcluster.json" if swept and stem else json_path  # each engine's rate files apart
+        return run_launched(a, model)
+
+    def peer() -> tuple[int, dict]:
+        print(f"==== {a.compare}", flush=True)
+        a.json_path = f"{stem}.{a.compare}.json" if swept and stem else json_path
+        return run_peer(a, model)
+
+    # --peer-first swaps the order, so repeated runs can alternate it (a machine that warms up or
+    # slows down over a run then favours neither engine); the table keeps ours first.
+    if getattr(a, "peer_first", False):
+        rc_peer, peer_doc = peer()
+        rc_ours, runs["pdcluster"] = ours()
+    else:
+        rc_ours, runs["pdcluster"] = ours()
+        rc_peer, peer_doc = peer()
+    runs[a.compare] = peer_doc
     a.json_path = json_path
     print(f"==== side by side (same checkpoint, workload, client and load; ratio = pdcluster / {a.compare})")
     text = sweep_table(runs) if swept else table(runs)

