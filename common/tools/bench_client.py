@@ -83,6 +83,12 @@ class RequestResult:
     # The generated token ids (native /generate only), kept when the workload builds the next
     # request from them (``--workload multiturn``); empty otherwise.
     output_ids: list[int] = field(default_factory=list)
+    # What the answer says of its prompt, where the server reports it (ours: the native
+    # meta_info or the usage's prompt_tokens_details): tokens the prefill served from its prefix
+    # cache, and tokens the decode served from its own (the rest of the prompt's KV crossed the
+    # wire). None when the server does not say.
+    cached_tokens: int | None = None
+    decode_reused_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -109,6 +115,8 @@ class StreamTimer:
         self.finish_reason: str | None = None
         self.stages_ms: dict[str, float] = {}
         self.output_ids: list[int] = []  # the cumulative ids of the latest native event
+        self.cached_tokens: int | None = None
+        self.decode_reused_tokens: int | None = None
         self._last: float | None = None
 
     def on_event(self, now: float, event: dict) -> None:
@@ -126,6 +134,7 @@ class StreamTimer:
                 self.finish_reason = str(finish.get("type"))
             if isinstance(meta, dict):
                 self._timeline(meta.get("timeline"))
+                self._prompt_reuse(meta)
             if not isinstance(ids, list):
                 return
             self.output_ids = ids
@@ -144,9 +153,17 @@ class StreamTimer:
         if isinstance(timeline, dict) and isinstance(timeline.get("stages_ms"), dict):
             self.stages_ms = {str(k): float(v) for k, v in timeline["stages_ms"].items()}
 
+    def _prompt_reuse(self, fields: dict) -> None:
+        for name in ("cached_tokens", "decode_reused_tokens"):
+            v = fields.get(name)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                setattr(self, name, v)
+
     def _openai_total(self, event: dict) -> int | None:
         """Tokens so far after an OpenAI chunk; None when the chunk adds no timing sample."""
         usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
+        if isinstance(usage.get("prompt_tokens_details"), dict):
+            self._prompt_reuse(usage["prompt_tokens_details"])
         if not event["choices"]:  # include_usage's last chunk: the exact count, no token of its own
             self.tokens = max(self.tokens, int(usage.get("completion_tokens") or 0))
             return None
@@ -229,6 +246,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
             await asyncio.gather(prefill, return_exceptions=True)
     res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason, res.stages_ms = (
         timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason, timer.stages_ms)
+    res.cached_tokens, res.decode_reused_tokens = timer.cached_tokens, timer.decode_reused_tokens
     if keep_output:
         res.output_ids = [int(t) for t in timer.output_ids]
     if res.ok and res.output_tokens != req.output_len:

@@ -128,16 +128,17 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
               flush=True)
     before = snapshot(nodes, a.idle_timeout)
     turns: list[dict] | None = None
+    turn_sum: dict = {}
     load_before = os.getloadavg()
     cpu_before, client_before = (cluster.cpu_seconds() if cluster else None), time.process_time()
     if multiturn:
         convs = mt.make_conversations(a.num_conversations, a.num_turns, a.input_len, a.turn_len, a.output_len,
-                                      a.range_ratio, vocab, a.think_time, a.seed)
+                                      a.range_ratio, vocab, a.think_time, a.seed, a.request_rate)
         print(f"sending {len(convs)} conversations x {a.num_turns} turns: first prompt up to {a.input_len}, "
               f"{a.turn_len} new tokens and {a.output_len} output tokens per turn (range ratio {a.range_ratio:g}), "
-              f"think time {a.think_time:g} s, max concurrency {a.max_concurrency or 'none'}; "
+              f"think time {a.think_time:g} s, {a.request_rate:g} conversations/s, max concurrency {a.max_concurrency or 'none'}; "
               f"load average {load_before[0]:.2f}", flush=True)
-        results, duration, turns = asyncio.run(mt.run_conversations(
+        results, duration, turns, turn_sum = asyncio.run(mt.run_conversations(
             target, convs, lambda: mt.read_nodes(nodes, get_text), a.max_concurrency, a.request_timeout, a.timeout))
     else:
         reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed,
@@ -155,7 +156,7 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
     leak_clean = all(not c["leak_problems"] for c in cmp.values())
     print(report.format_report(summary))
     if turns is not None:
-        print(mt.format_turns(turns))
+        print(mt.format_turns(turns, turn_sum))
     print(format_nodes(cmp))
     print(f"CPU seconds during the run ({duration:.2f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs")
@@ -167,6 +168,7 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
            "prefill_efficiency": eff, "requests": [asdict(r) for r in results]}
     if turns is not None:
         doc["turns"] = turns
+        doc["turns_summary"] = turn_sum
     if a.json_path:  # pictures for people, next to the JSON; their series go into it too
         doc["plots"] = write_plots(a.json_path, results, duration)
         print("plots: " + ", ".join(p["png"] for p in doc["plots"].values()))

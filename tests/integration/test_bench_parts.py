@@ -139,6 +139,23 @@ def test_stream_timer_spreads_multi_token_chunks() -> None:
     assert t.itl_s == pytest.approx([0.1, 0.1, 0.1, 0.1])
 
 
+def test_stream_timer_keeps_what_the_answer_says_of_its_prompt() -> None:
+    """The prefill's cached tokens and the decode's reused ones, from the native meta_info (every
+    frame carries them; the last one holds) or the OpenAI usage's prompt_tokens_details; a server
+    that says nothing leaves None, and a value that is not a count is ignored."""
+    t = StreamTimer(t0=0.0)
+    t.on_event(0.1, {"output_ids": [1], "meta_info": {"cached_tokens": 32, "decode_reused_tokens": 16}})
+    t.on_event(0.2, {"output_ids": [1, 2], "meta_info": {"cached_tokens": 48, "decode_reused_tokens": "x"}})
+    assert (t.cached_tokens, t.decode_reused_tokens) == (48, 16)
+    t = StreamTimer(t0=0.0)
+    t.on_event(0.1, {"choices": [{"text": " a"}], "usage": {"completion_tokens": 1,
+                                                              "prompt_tokens_details": {"cached_tokens": 7}}})
+    assert (t.cached_tokens, t.decode_reused_tokens) == (7, None)
+    t = StreamTimer(t0=0.0)
+    t.on_event(0.1, {"output_ids": [1], "meta_info": {"cached_tokens": True, "decode_reused_tokens": -1}})
+    assert (t.cached_tokens, t.decode_reused_tokens) == (None, None)
+
+
 def test_stream_timer_reads_openai_completion_chunks() -> None:
     def chunk(text: str, usage: int | None = None, finish: str | None = None) -> dict:
         ev: dict = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
