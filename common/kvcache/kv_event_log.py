@@ -10,6 +10,17 @@ step on a ZMQ PUB socket (the format and its rules: ``common/kv_events.py``, doc
         -> KVEventLog.flush                                  one batch, seq + 1, non-blocking send
     GET /kv_events/snapshot (a query answered between steps)
         -> KVEventLog.snapshot                               flushes first, so its seq is exact
+    the publisher's heartbeat thread, every HEARTBEAT_S / 2
+        -> KVEventLog.heartbeat_if_due                       an empty batch with the last seq when
+                                                             nothing went out for HEARTBEAT_S
+
+Why a thread beats for the loop: a step can be long (a 2048-token prefill on one CPU core takes
+seconds; so can a large chunked prefill on a device), and a subscriber that hears nothing for its
+bound stops trusting the index and routes that node by load, losing every cache hit until it has
+resynced. Silence must mean the node is gone, not busy. A heartbeat claims only "nothing after
+seq N", which stays true while a step runs: that step's events go out at its end, as seq N + 1.
+One lock makes the seq's increment and its send one act for both threads, and serialises the
+socket (a ZMQ socket must not be used by two threads at once).
 
 Why per page id: a page on a tree edge holds exactly one block, and pages are unique on the tree,
 so ``page -> hash`` is all the state needed to name what an eviction frees; splits and merges of
@@ -24,6 +35,7 @@ batch skips a ``seq``, which every subscriber reads as a gap.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -63,8 +75,8 @@ class KVEventCounters:
 
 
 class KVEventLog:
-    """What the cache holds, as block hashes, and this step's events. Not thread-safe: the
-    scheduler loop owns it (as it owns the cache)."""
+    """What the cache holds, as block hashes, and this step's events. The scheduler loop owns it
+    (as it owns the cache); only ``heartbeat_if_due`` may be called from another thread."""
 
     def __init__(self, role: str, block_size: int, codec: EventCodec, sock: zmq.Socket | None = None,
                  max_pending_blocks: int = 1 << 20, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
@@ -82,6 +94,7 @@ class KVEventLog:
         self._overflow = False
         self.seq = 0  # of the last batch published (0: none yet)
         self._last_send = clock()
+        self._send_lock = threading.Lock()  # seq + its send, and the socket (module docstring)
 
     # -- the radix cache's hooks ----------------------------------------------------------------
 
@@ -129,22 +142,31 @@ class KVEventLog:
 
     def flush(self) -> None:
         """Once per loop turn: this step's events as one batch, else a heartbeat when due."""
-        if self._overflow:
-            # Skip a number: every subscriber sees a gap and starts again from the snapshot.
-            self.counters.overflows += 1
-            log.warning("KV events: one step changed more than %d blocks; subscribers will resync", self._max)
-            self.seq += 1
-            self._overflow = False
-        if self._pending:
-            self.seq += 1
-            events, self._pending, self._pending_blocks = self._pending, [], 0
-            self._send(events)
-            self.counters.batches += 1
-        elif self._clock() - self._last_send >= HEARTBEAT_S:
-            self._send([])
-            self.counters.heartbeats += 1
+        with self._send_lock:
+            if self._overflow:
+                # Skip a number: every subscriber sees a gap and starts again from the snapshot.
+                self.counters.overflows += 1
+                log.warning("KV events: one step changed more than %d blocks; subscribers will resync", self._max)
+                self.seq += 1
+                self._overflow = False
+            if self._pending:
+                self.seq += 1
+                events, self._pending, self._pending_blocks = self._pending, [], 0
+                self._send(events)
+                self.counters.batches += 1
+                return
+        self.heartbeat_if_due()
+
+    def heartbeat_if_due(self) -> None:
+        """An empty batch carrying the last ``seq``, when nothing went out for ``HEARTBEAT_S``.
+        Safe from any thread (the publisher's heartbeat thread calls it while a step runs)."""
+        with self._send_lock:
+            if self._clock() - self._last_send >= HEARTBEAT_S:
+                self._send([])
+                self.counters.heartbeats += 1
 
     def _send(self, events: list[KVEvent]) -> None:
+        """Under ``_send_lock``."""
         self._last_send = self._clock()
         if self._sock is None:
             return
@@ -198,8 +220,18 @@ class KVEventPublisher:
         self.log = KVEventLog(role, block_size, codec, self._sock)
         self.info = KVEventsInfo(endpoint=f"tcp://{_bracket(host)}:{self.port}", host=host, port=self.port,
                                  instance_id=self.log.instance_id, block_size=block_size, sealed=codec.sealed)
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="kv-events-heartbeat", daemon=True)
+        self._beats.start()
+
+    def _beat(self) -> None:
+        """Heartbeats while the scheduler is inside a long step (module docstring)."""
+        while not self._stop.wait(HEARTBEAT_S / 2):
+            self.log.heartbeat_if_due()
 
     def close(self) -> None:
+        self._stop.set()
+        self._beats.join(timeout=5.0)
         self._sock.close(linger=0)
         self._ctx.term()
 

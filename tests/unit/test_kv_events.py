@@ -6,11 +6,14 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
+import zmq
 
 from common.kv_events import (
+    HEARTBEAT_S,
     ROOT_HASH,
     AllCleared,
     BlockRemoved,
@@ -22,7 +25,7 @@ from common.kv_events import (
     decode_snapshot,
 )
 from common.kvcache.allocator import PageAllocator
-from common.kvcache.kv_event_log import KVEventLog
+from common.kvcache.kv_event_log import KVEventLog, KVEventPublisher
 from common.kvcache.radix_cache import RadixCache
 from router.kv_index import WorkerIndex
 
@@ -242,3 +245,57 @@ def test_an_event_the_log_cannot_name_never_breaks_the_cache() -> None:
     cache.check_integrity()
     assert cache.total_pages() == 0 and log.snapshot().blocks == []
     assert log.counters.overflows == 1 and log.seq == 1 and wire.frames == []  # seq skipped: a gap for all
+
+
+def test_a_heartbeat_while_a_step_runs_says_only_what_was_sent() -> None:
+    """The heartbeat thread may beat in the middle of a step: it carries the last sent seq, never
+    the step's own (still pending) events, so a subscriber stays in sync through it and applies
+    the step's batch when the step flushes."""
+    now = [100.0]
+    ps, alloc = 4, PageAllocator(8)
+    cache = RadixCache(alloc, ps)
+    wire = Wire()
+    codec = EventCodec(None)
+    cache.events = log = KVEventLog("prefill", ps, codec, wire, clock=lambda: now[0])  # type: ignore[arg-type]
+    idx = WorkerIndex("w")
+    idx.load(log.snapshot())
+    log.heartbeat_if_due()
+    assert wire.frames == []  # not due yet
+    pages = alloc.alloc(2)
+    assert pages is not None
+    cache.insert(list(range(8)), pages)  # the step's events: pending
+    now[0] += 1.0
+    log.heartbeat_if_due()
+    beat = codec.decode(wire.frames[-1])
+    assert beat.events == [] and beat.seq == 0 and idx.apply(beat) == "heartbeat" and idx.synced
+    log.flush()  # the step ends
+    batch = codec.decode(wire.frames[-1])
+    assert batch.seq == 1 and idx.apply(batch) == "applied"
+    assert idx.matched_blocks(block_hashes(list(range(8)), ps)) == 2 and log.counters.heartbeats == 1
+
+
+def test_the_publisher_beats_while_the_loop_is_stuck_in_a_long_step() -> None:
+    """A real PUB socket, and a scheduler that never flushes (one long forward): the subscriber
+    still hears a heartbeat at least every HEARTBEAT_S, so it does not give the node up as silent."""
+    pub = KVEventPublisher("prefill", 4, "127.0.0.1", 0, SECRET)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.info.endpoint)
+        codec = EventCodec(SECRET)
+        seen = []
+        end = time.monotonic() + 3.2 * HEARTBEAT_S
+        while time.monotonic() < end:
+            if sub.poll(timeout=100):
+                seen.append((time.monotonic(), codec.decode(sub.recv())))
+        assert len(seen) >= 2, seen  # the first beats may go out before the connect completes
+        gaps = [b[0] - a[0] for a, b in zip(seen, seen[1:])]
+        assert all(g <= 1.6 * HEARTBEAT_S for g in gaps), gaps
+        assert all(b.events == [] and b.seq == 0 and b.instance_id == pub.log.instance_id for _, b in seen)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.close()
+    assert not pub._beats.is_alive()
