@@ -239,4 +239,6 @@ async def run_conversations(target: Target, convs: list[Conversation], read_coun
     turns = max(len(c.output_lens) for c in convs)
     rows = [turn_row(t, [r for tt, r in sent if tt == t], per_token) for t in range(1, turns + 1)
             if any(tt == t for tt, _ in sent)]
-    return [r for _, r in sent], duration, rows, turn_summary(rows, sent, before, after)
+    summary = turn_summary(rows, sent, before, after)
+    summary["request_turns"] = [t for t, _ in sent]  # each result's turn, in the results' order
+    return [r for _, r in sent], duration, rows, summary

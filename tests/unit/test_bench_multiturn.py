@@ -78,6 +78,7 @@ def test_each_turn_resends_the_conversation_and_a_failure_ends_it(monkeypatch: p
     assert summary["transferred_tokens_per_request_sum"] == 6 + 3 + 3
     assert summary["transferred_tokens_nodes"] == 15 and summary["transferred_bytes_nodes"] == 120
     assert summary["later_turns_ttft_p50_ms"] == pytest.approx(10.0)
+    assert sorted(summary["request_turns"]) == [1, 1, 2, 2, 3]
     text = mt.format_turns(rows, summary)
     assert "| 2 | 1/2 |" in text and "12 by the answers, 15 by the nodes' counters" in text
 
