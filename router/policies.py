@@ -117,7 +117,8 @@ class ExactCacheAware(Policy):
 
     Among the candidates whose load is within ``balance_abs_threshold`` requests of the least
     loaded one, pick the minimum of ``(prompt tokens - predicted cached tokens) + queued tokens``
-    (queued: the uncached tokens of this router's requests the worker has not answered yet), ties
+    (queued: the uncached tokens of this router's requests the worker has not computed yet: until
+    a stream's decode answers, else until the prefill does; router/forward.py), ties
     by load, then by a hash of (worker URL, the prompt's first block): rendezvous hashing, so cold
     prompts spread over idle workers instead of herding on one, and a prompt's later turns find
     the same order. No randomness: two routers with the same index and the same loads choose

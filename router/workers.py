@@ -42,7 +42,7 @@ class Worker:
     last_error: str | None = None
     polled_reqs: int = 0  # the node's own count at the last /get_load
     inflight_at_poll: int = 0  # ours at that moment, so the difference is load we did not send
-    queued_tokens: int = 0  # prefill: uncached prompt tokens of our requests it has not answered yet
+    queued_tokens: int = 0  # prefill: uncached prompt tokens of our requests it has not computed yet (as far as we know)
 
     @property
     def load(self) -> int:

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from common.auth import PROOF_HEADER, RequestVerifier, proof
-from router.app import create_app
+from router.app import STATE, create_app
 from router.config import parse_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -432,5 +432,48 @@ def test_a_burst_is_spread_because_each_pick_counts_the_ones_before_it(policy: s
             release.set()
             assert all(s == 200 for s, _ in await asyncio.gather(*burst))
             assert counts == [4, 4], f"the burst went {counts} over two idle prefills"
+
+    asyncio.run(body())
+
+
+def test_a_streams_prefill_tokens_stop_counting_as_queued_once_its_decode_answers(tiny_qwen3: str) -> None:
+    """With token ids, a prefill carries the uncached tokens of our requests as queued (the exact
+    pick weighs them). A stream's decode answers 200 with the first token, so the prompt is
+    computed then, while the prefill answers only after it has noticed the transfer's end: the
+    tokens must stop counting at the decode's 200, with the prefill leg still open, and its busy
+    count must last until the prefill answers."""
+    release, go_decode = asyncio.Event(), asyncio.Event()
+
+    async def held_prefill(fake: Fake, request: web.Request, body: dict) -> web.StreamResponse:
+        await asyncio.wait_for(release.wait(), 20)
+        return await ok_prefill(fake, request, body)
+
+    async def held_decode(fake: Fake, request: web.Request, body: dict) -> web.StreamResponse:
+        await asyncio.wait_for(go_decode.wait(), 20)
+        return await ok_decode(fake, request, body)
+
+    async def body() -> None:
+        async with router_over([held_prefill], [held_decode], "--prefill-policy", "cache-aware",
+                               "--tokenizer-path", tiny_qwen3) as c:
+            [p] = c.prefills
+            worker = c.runner.app[STATE].workers.get(p.url)
+            assert worker is not None
+            req = asyncio.create_task(c.post("/generate", {**GEN, "text": "the cache node page " * 8, "stream": True}))
+            async with asyncio.timeout(10):
+                while not (p.received and c.decodes[0].received):
+                    await asyncio.sleep(0.02)
+            assert worker.queued_tokens > 0 and worker.inflight == 1
+            go_decode.set()
+            async with asyncio.timeout(10):
+                while worker.queued_tokens:
+                    await asyncio.sleep(0.02)
+            assert not release.is_set() and worker.inflight == 1  # the prefill leg is still open
+            release.set()
+            status, _ = await req
+            assert status == 200
+            async with asyncio.timeout(10):  # the handler ends just after the client has its answer
+                while worker.inflight:
+                    await asyncio.sleep(0.02)
+            assert worker.queued_tokens == 0
 
     asyncio.run(body())
