@@ -141,7 +141,8 @@ class KVEventLog:
     # -- publishing --------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Once per loop turn: this step's events as one batch, else a heartbeat when due."""
+        """Once per loop turn: this step's events as one batch (heartbeats are the publisher
+        thread's: ``heartbeat_if_due``)."""
         with self._send_lock:
             if self._overflow:
                 # Skip a number: every subscriber sees a gap and starts again from the snapshot.
@@ -154,8 +155,6 @@ class KVEventLog:
                 events, self._pending, self._pending_blocks = self._pending, [], 0
                 self._send(events)
                 self.counters.batches += 1
-                return
-        self.heartbeat_if_due()
 
     def heartbeat_if_due(self) -> None:
         """An empty batch carrying the last ``seq``, when nothing went out for ``HEARTBEAT_S``.
