@@ -140,7 +140,7 @@ def _grammar(body: dict) -> dict[str, str | None]:
 
 
 def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts: list[list[int]], n: int,
-             max_new: int, logprob: bool, top: int, stream: bool, include_usage: tuple[bool, bool],
+             max_new: int, logprob: bool, top: int, stream: bool, usage_opts: tuple[bool, bool],
              tools: ToolPlan | None = None) -> ParsedRequest:
     count = len(prompts) * n
     if count > cfg.max_batch_size:
@@ -172,13 +172,13 @@ def _fan_out(kind: str, body: dict, cfg: ApiConfig, tok: TokenizerLike, prompts:
             finalize_sub(sub, cfg, tok.vocab_size, sample=j)
             subs.append(sub)
     return ParsedRequest(kind=kind, rid=parent, subs=subs, stream=stream,  # type: ignore[arg-type]
-                         model=cfg.model_name, n=n, include_usage=include_usage[0],
-                         continuous_usage=include_usage[1],
+                         model=cfg.model_name, n=n, include_usage=usage_opts[0],
+                         continuous_usage=usage_opts[1],
                          return_timeline=get_bool(body, "return_timeline"), tools=tools)
 
 
 def parse_completion(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
-    n, stream, include_usage = _common(body, cfg)
+    n, stream, usage_opts = _common(body, cfg)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [tok.encode(prompt)]
@@ -195,7 +195,7 @@ def parse_completion(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedReq
     if top is not None and not 0 <= top <= 20:
         raise bad_request(f"'logprobs' must be in [0, 20], got {top}")
     return _fan_out("completion", body, cfg, tok, prompts, n, _max_tokens(body, cfg.completion_default_max_tokens),
-                    top is not None, top or 0, stream, include_usage)
+                    top is not None, top or 0, stream, usage_opts)
 
 
 def _check_message(i: int, msg: Any) -> dict:
@@ -213,7 +213,7 @@ def _check_message(i: int, msg: Any) -> dict:
 
 
 def parse_chat(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
-    n, stream, include_usage = _common(body, cfg)
+    n, stream, usage_opts = _common(body, cfg)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list")
@@ -234,4 +234,4 @@ def parse_chat(body: Any, cfg: ApiConfig, tok: TokenizerLike) -> ParsedRequest:
         raise bad_request(f"'top_logprobs' must be in [0, 20], got {top}")
     # No max_tokens: the rest of the context (finalize_sub clips to it).
     return _fan_out("chat", body, cfg, tok, [ids], n, _max_tokens(body, cfg.context_length), logprob, top,
-                    stream, include_usage, tools)
+                    stream, usage_opts, tools)

@@ -36,12 +36,15 @@ def usage(req: ParsedRequest, states: list[SubState]) -> dict:
     """Prompt tokens count once per prompt, not once per sample (OpenAI's n semantics).
     ``prompt_tokens_details.cached_tokens`` is the prefill's prefix-cache hit; a decode node adds
     ``decode_reused_tokens`` beside it (its own cache's hit: KV that was not transferred)."""
-    n = req.n
-    firsts = [s for s in states if s.sub.index % n == 0]
-    prompt = sum(s.prompt_tokens for s in firsts)
-    completion = sum(s.completion_tokens for s in states)
-    details: dict[str, int] = {"cached_tokens": sum(s.cached_tokens for s in firsts)}
-    reused = [s.decode_reused_tokens for s in firsts if s.decode_reused_tokens is not None]
+    return _usage([s for s in states if s.sub.index % req.n == 0], states)
+
+
+def _usage(prompts: list[SubState], samples: list[SubState]) -> dict:
+    """Usage of ``samples``, whose prompts are counted once each through ``prompts``."""
+    prompt = sum(s.prompt_tokens for s in prompts)
+    completion = sum(s.completion_tokens for s in samples)
+    details: dict[str, int] = {"cached_tokens": sum(s.cached_tokens for s in prompts)}
+    reused = [s.decode_reused_tokens for s in prompts if s.decode_reused_tokens is not None]
     if reused:
         details["decode_reused_tokens"] = sum(reused)
     return {
@@ -50,15 +53,6 @@ def usage(req: ParsedRequest, states: list[SubState]) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": details,
     }
-
-
-def _choice_usage(s: SubState) -> dict:
-    """One choice's usage so far (a stream's continuous usage stats)."""
-    details: dict[str, int] = {"cached_tokens": s.cached_tokens}
-    if s.decode_reused_tokens is not None:
-        details["decode_reused_tokens"] = s.decode_reused_tokens
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens, "prompt_tokens_details": details}
 
 
 # ---- native ------------------------------------------------------------------------------------
@@ -195,7 +189,7 @@ class StreamShaper:
         chunk = {"id": self.req.rid, "object": obj, "created": self.created, "model": self.req.model,
                  "choices": [choice]}
         if counted is not None:
-            chunk["usage"] = _choice_usage(counted)
+            chunk["usage"] = _usage([counted], [counted])  # this choice's, so far
         return sse(chunk)
 
     def update(self, s: SubState, delta: str) -> list[bytes]:
