@@ -125,7 +125,7 @@ class Forwarder:
                     self._policies["prefill"].on_routed(p, route)
                     self._policies["decode"].on_routed(d, route)
                     result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline,
-                                             release_prefill, key, prefill_computed)
+                                             release_prefill, key, prefill_computed=prefill_computed)
             finally:
                 release_prefill()  # a prefill leg that never ran (idempotent)
             if not isinstance(result, Failure):
@@ -175,8 +175,8 @@ class Forwarder:
 
     async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker, d: Worker,
                    room: int, marks: Marks, deadline: float, release_prefill: Callable[[], None],
-                   key: RouteKey | None = None,
-                   prefill_computed: Callable[[], None] | None = None) -> web.StreamResponse | Failure:
+                   key: RouteKey | None = None, *,
+                   prefill_computed: Callable[[], None]) -> web.StreamResponse | Failure:
         t0 = marks.arrival
         boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
         pbody = {**body, **boot, "stream": False}
@@ -205,7 +205,7 @@ class Forwarder:
                             else:
                                 p_answer = outcome
                     assert d_resp is not None
-                    if info.stream and prefill_computed is not None:
+                    if info.stream:
                         prefill_computed()  # the decode's 200 came with the first token: the prompt is computed
                     self._decode_prediction(d, info, key)
                     if not info.stream:
