@@ -148,25 +148,22 @@ def turn_row(turn: int, results: list[RequestResult], bytes_per_token: float | N
     }
 
 
-def turn_summary(rows: list[dict], turns_of: list[tuple[int, RequestResult]], before: dict[str, float],
-                 after: dict[str, float]) -> dict:
+def turn_summary(rows: list[dict], turns_of: list[tuple[int, RequestResult]], tokens: float, size: float) -> dict:
     """The run's lines beside the per-turn rows: TTFT over turns >= 2 (what exact routing and the
-    decode's cache are for), and the per-request transferred tokens against the decodes' totals."""
+    decode's cache are for), and the per-request transferred tokens against the decodes' totals
+    (``tokens``, ``size``: their run's deltas, ``transferred``)."""
     later = [r.ttft_s for t, r in turns_of if t >= 2 and r.ok and r.ttft_s is not None]
     ttft = report.distribution_ms(later) or {}
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in DECODE_METRICS}
     per_request = _sum_or_none([r["transferred_tokens"] for r in rows])
     return {"later_turns_ttft_p50_ms": ttft.get("p50"), "later_turns_ttft_p99_ms": ttft.get("p99"),
             "later_turns_ttft_mean_ms": ttft.get("mean"),
             "transferred_tokens_per_request_sum": per_request,
-            "transferred_tokens_nodes": int(d["pdc_decode_transferred_tokens_total"]),
-            "transferred_bytes_nodes": int(d["pdc_decode_transferred_bytes_total"])}
+            "transferred_tokens_nodes": int(tokens), "transferred_bytes_nodes": int(size)}
 
 
-def bytes_per_token(before: dict[str, float], after: dict[str, float]) -> float | None:
-    tokens = after.get("pdc_decode_transferred_tokens_total", 0.0) - before.get("pdc_decode_transferred_tokens_total", 0.0)
-    size = after.get("pdc_decode_transferred_bytes_total", 0.0) - before.get("pdc_decode_transferred_bytes_total", 0.0)
-    return size / tokens if tokens > 0 else None
+def transferred(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
+    """The decodes' (tokens, bytes) that crossed the wire between two readings."""
+    return tuple(after.get(k, 0.0) - before.get(k, 0.0) for k in DECODE_METRICS)  # type: ignore[return-value]
 
 
 def format_turns(rows: list[dict], summary: dict | None = None) -> str:
@@ -234,11 +231,11 @@ async def run_conversations(target: Target, convs: list[Conversation], read_coun
             task.cancel()  # its request in flight keeps the "not finished" result put in its slot
         await asyncio.gather(*tasks, return_exceptions=True)
         duration = time.perf_counter() - t0
-    after = await asyncio.to_thread(read_counters)
-    per_token = bytes_per_token(before, after)
+    tokens, size = transferred(before, await asyncio.to_thread(read_counters))
+    per_token = size / tokens if tokens > 0 else None
     turns = max(len(c.output_lens) for c in convs)
     rows = [turn_row(t, [r for tt, r in sent if tt == t], per_token) for t in range(1, turns + 1)
             if any(tt == t for tt, _ in sent)]
-    summary = turn_summary(rows, sent, before, after)
+    summary = turn_summary(rows, sent, tokens, size)
     summary["request_turns"] = [t for t, _ in sent]  # each result's turn, in the results' order
     return [r for _, r in sent], duration, rows, summary

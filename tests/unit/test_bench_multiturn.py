@@ -150,4 +150,4 @@ def test_node_counters_are_summed_over_the_decodes() -> None:
     got = mt.read_nodes({"decode0": "http://d0", "decode1": "http://d1", "decode2": "http://gone",
                          "prefill0": "http://p0"}, get_text)
     assert got == {"pdc_decode_transferred_bytes_total": 640.0, "pdc_decode_transferred_tokens_total": 14.0}
-    assert mt.bytes_per_token({}, got) == pytest.approx(640 / 14) and mt.bytes_per_token(got, got) is None
+    assert mt.transferred({}, got) == (14.0, 640.0) and mt.transferred(got, got) == (0.0, 0.0)
