@@ -111,12 +111,19 @@ class AttentionConfig:
     # Torch backend: memory for contiguous copies of the decoding requests' K/V (decode_mirror.py),
     # which spare every decode step a gather of the whole context; 0 turns it off.
     torch_decode_mirror_mib: int = 1024
+    # CUDA graphs of the decode forward (common/engine/cuda_graph.py): batch sizes up to this are
+    # captured (never past --max-running-requests); larger batches run eagerly. Needs a backend
+    # that supports capture (flashinfer); ignored on CPU.
+    cuda_graph_max_bs: int = 64
+    disable_cuda_graph: bool = False
 
     def validate(self) -> None:
         if self.backend not in ("auto", "torch", "flashinfer"):
             raise ConfigError(f"--attention-backend {self.backend!r}: expected auto, torch or flashinfer")
         if self.torch_decode_mirror_mib < 0:
             raise ConfigError(f"--torch-decode-mirror-mib must be >= 0, got {self.torch_decode_mirror_mib}")
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
 
 
 @dataclass(frozen=True)

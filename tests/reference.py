@@ -14,13 +14,14 @@ import torch
 
 
 @functools.lru_cache(maxsize=8)
-def hf_model(model_dir: str) -> torch.nn.Module:
-    """The HF float32 model for ``model_dir`` (cached per directory; tests must not mutate it)."""
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """The HF model for ``model_dir`` (float32 on CPU unless asked otherwise: the GPU tests compare
+    in bfloat16 on CUDA); cached per arguments; tests must not mutate it."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars flood test logs
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device)
     model.eval()
     return model
 
@@ -47,7 +48,8 @@ def hf_logits(model_dir: str, input_ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_greedy(
-    model_dir: str, prompt_ids: list[int], max_new_tokens: int, stop_on_eos: bool = False
+    model_dir: str, prompt_ids: list[int], max_new_tokens: int, stop_on_eos: bool = False,
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
 ) -> tuple[list[int], list[float]]:
     """Greedy continuation of ``prompt_ids`` and the top-2 logit gap at each step.
 
@@ -59,10 +61,10 @@ def hf_greedy(
 
     if not prompt_ids:
         raise ValueError("hf_greedy needs a non-empty prompt")
-    model = hf_model(model_dir)
+    model = hf_model(model_dir, dtype, device)
     eos = set(generation_eos_ids(model_dir)) if stop_on_eos else set()
     cache = DynamicCache(config=model.config)
-    step_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
+    step_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, T]
     tokens: list[int] = []
     gaps: list[float] = []
     for _ in range(max_new_tokens):
@@ -75,7 +77,7 @@ def hf_greedy(
         tokens.append(nxt)
         if nxt in eos:
             break
-        step_ids = torch.tensor([[nxt]], dtype=torch.long)  # [1, 1]
+        step_ids = torch.tensor([[nxt]], dtype=torch.long, device=device)  # [1, 1]
     return tokens, gaps
 
 

@@ -10,6 +10,10 @@ calls ``forward``, which must
 
 Shapes: q [T, num_heads * head_dim], k/v [T, num_kv_heads * head_dim]; output [T, num_heads * head_dim].
 GQA is the backend's job (num_heads is a multiple of num_kv_heads).
+
+A backend that can run inside a captured CUDA graph (common/engine/cuda_graph.py) sets
+``supports_cuda_graph`` and implements ``init_cuda_graphs`` (fixed metadata buffers, once) and
+``plan_decode_graph`` (plan one captured batch size on the host, writing only into those buffers).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ class AttentionLayerSpec:
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Precompute whatever all layers share for this batch; store it in batch.attn_metadata."""

@@ -4,6 +4,9 @@ The runner owns the tensors (weights, K/V pool, req->token table). Bookkeeping o
 which page lives in ``KVMemory`` (built here, used by the schedulers); the runner never decides
 what runs, it only turns a list of extend chunks or decode items into logits.
 
+On a GPU whose attention backend supports it, decode steps of up to ``--cuda-graph-max-bs``
+requests replay captured CUDA graphs (``cuda_graph.py``); everything else runs eagerly.
+
 Under tensor parallelism every rank has its own runner over its shard of the weights and a KV
 pool of its own KV heads; the page count is agreed (the minimum over the ranks) so that page ids,
 which every rank's identical scheduler hands out, mean the same slots on every rank.
@@ -18,6 +21,7 @@ import torch
 
 from common.attention.base import AttentionBackend
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig
+from common.engine.cuda_graph import CudaGraphCapture, DecodeGraphs, GraphCapture, capture_sizes
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.kvcache.allocator import PageAllocator
 from common.kvcache.page_digest import PageDigests, digest_key
@@ -26,6 +30,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
+from common.models.llama import Attention
 from common.parallel import SINGLE_RANK, TPGroup, rank_device
 
 log = logging.getLogger(__name__)
@@ -109,6 +114,27 @@ class ModelRunner:
         log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d%s", num_pages, page_size,
                  self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len,
                  "" if self.state_pool is None else f", state {self.state_pool.nbytes() / 2**20:.1f} MiB")
+        self.graphs = self._decode_graphs(attention_cfg, cache_cfg.max_running_requests)
+
+    def _decode_graphs(self, cfg: AttentionConfig, max_running: int,
+                       capture: GraphCapture | None = None) -> DecodeGraphs | None:
+        """Capture the decode forward where it can run as CUDA graphs (``capture`` overrides the
+        CUDA capture: tests pass ``EagerCapture`` to run the same path on CPU)."""
+        if capture is None:
+            if cfg.disable_cuda_graph or self.device.type != "cuda":
+                return None
+            if not self.attn_backend.supports_cuda_graph:
+                log.info("CUDA graphs off: the %s attention backend cannot be captured", cfg.backend)
+                return None
+            if self.tp.size > 1:
+                # NCCL collectives can be captured, but that path has not run on a multi-GPU box here.
+                log.info("CUDA graphs off under tensor parallelism (tp %d): decode runs eagerly", self.tp.size)
+                return None
+            capture = CudaGraphCapture(self.device)
+        layer = next(m.spec for m in self.model.modules() if isinstance(m, Attention))
+        return DecodeGraphs(self.model, self.attn_backend, layer, self.kv_pool, self.req_to_token,
+                            self.memory.row_state, self.state_pool, capture_sizes(min(cfg.cuda_graph_max_bs, max_running)),
+                            self.dtype, capture)
 
     def _agreed(self, num_pages: int) -> int:
         """The smallest page count over the TP ranks (free GPU memory differs between devices)."""
@@ -149,6 +175,8 @@ class ModelRunner:
     def decode(self, items: Sequence[DecodeItem]) -> torch.Tensor:
         """One token per request; returns next-token logits. [B, vocab] float32."""
         prefix = [d.prefix_len for d in items]
+        if self.graphs is not None and self.graphs.fits(len(items)):
+            return self.graphs.run([d.input_id for d in items], prefix, [d.row for d in items])
         batch = self._batch(ForwardMode.DECODE, [d.input_id for d in items], prefix, [d.row for d in items], prefix, [1] * len(items))
         return self._run(batch)
 

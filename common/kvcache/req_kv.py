@@ -62,7 +62,8 @@ class KVMemory:
         self.page_size = page_size
         self.states = states
         self.digests = digests
-        self.row_state = torch.zeros(req_to_token.max_reqs, dtype=torch.int64, device=req_to_token.device)  # [R]
+        # [R+1]: the pad row (ReqToTokenPool.pad_row) maps to the reserved state slot 0 forever.
+        self.row_state = torch.zeros(req_to_token.max_reqs + 1, dtype=torch.int64, device=req_to_token.device)  # [R+1]
 
     # -- capacity ---------------------------------------------------------------------------
 

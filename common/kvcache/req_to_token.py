@@ -10,6 +10,10 @@ Attention backends read ``table[row, :seq_len]``. Rows are not cleared on free: 
 ever looks at ``[:seq_len]`` of a row it owns, which the owner wrote first, and clearing a row
 on every finish would cost a device write for nothing.
 
+One more row, ``pad_row`` (index ``max_reqs``), is never handed out and stays all zeros: a padded
+entry of a CUDA-graph decode batch points there, so its one position maps to slot 0 of the
+reserved page 0 (``pool.py``) and its K/V write and attention never touch a live request.
+
 A free of a row that is not allocated raises ``KVAccountingError``: it is always a bug.
 """
 from __future__ import annotations
@@ -28,7 +32,8 @@ class ReqToTokenPool:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=self.device)  # [R, C] int32
+        self.pad_row = max_reqs  # the extra, never-allocated row (module docstring)
+        self.table = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int32, device=self.device)  # [R+1, C] int32
         # Popped from the end, so row 0 goes first; order is otherwise irrelevant.
         self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
         self._is_free = bytearray(b"\x01" * max_reqs)

@@ -89,6 +89,9 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--torch-decode-mirror-mib", type=int, default=AttentionConfig.torch_decode_mirror_mib,
                    help=f"torch attention: memory for contiguous copies of the decoding requests' K/V, which "
                         f"spare each decode step a gather of the whole context (0: off) {d}")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=AttentionConfig.cuda_graph_max_bs,
+                   help=f"GPU: capture the decode forward as CUDA graphs for batch sizes up to this {d}")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="GPU: run every decode step eagerly")
     p.add_argument("--host", default="127.0.0.1", help=f"listen address; also what peers reach us on {d}")
     p.add_argument("--port", type=int, default=port, help=f"HTTP port {d}")
     p.add_argument("--max-payload-size", type=int, metavar="BYTES",
@@ -190,7 +193,8 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
 
 
 def attention_config(ns: argparse.Namespace) -> AttentionConfig:
-    return AttentionConfig(backend=ns.attention_backend, torch_decode_mirror_mib=ns.torch_decode_mirror_mib)
+    return AttentionConfig(backend=ns.attention_backend, torch_decode_mirror_mib=ns.torch_decode_mirror_mib,
+                           cuda_graph_max_bs=ns.cuda_graph_max_bs, disable_cuda_graph=ns.disable_cuda_graph)
 
 
 def parallel_config(ns: argparse.Namespace) -> ParallelConfig:

@@ -28,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
@@ -118,7 +119,9 @@ class NodeProcess:
         self.role, self.group = part.role, group
         self._part = part
         self.sync = StepSync(group)
-        self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), cfg.attention, tp=group)
+        # A prefill node never runs a decode step: capturing decode graphs would only cost start-up time.
+        attention = cfg.attention if part.role == "decode" else replace(cfg.attention, disable_cuda_graph=True)
+        self.runner = ModelRunner(cfg.model, part.cache_config(cfg.cache), attention, tp=group)
         tokenizer = Tokenizer(cfg.model.tokenizer_path or cfg.model.model_path)
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
         self.io: NodeIO | None = None

@@ -21,6 +21,14 @@ each length prefilled in one forward (no prefix cache, logits for its last token
 times after one warm-up; it prints the median seconds and the model FLOPs per second
 (``roofline.prefill_flops``), with ``--limits`` also as a share of the measured matmul peak.
 ``--batch ""`` skips the decode steps.
+
+On a GPU (``--device cuda``): ``--dtype bfloat16`` and ``--attention-backend flashinfer`` as a
+node would run, decode steps replaying CUDA graphs unless ``--disable-cuda-graph``, and the
+roofline from the device's own limits, measured first (``bench_limits.gpu_limits``: read
+bandwidth of a large sum, bf16 matmul peak) unless ``--limits`` names a file.
+
+    python -m common.tools.bench_decode_step --model-path DIR --device cuda --dtype bfloat16
+        --batch 1,8,32,64 --context 1024 --prefill 512,2048 [--disable-cuda-graph]
 """
 from __future__ import annotations
 
@@ -117,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limits", default=None, help="bench_limits --json output: report each step against its roofline")
     p.add_argument("--prefill", default="", help="comma-separated prompt lengths to time one prefill of each")
     p.add_argument("--prefill-repeat", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=AttentionConfig.cuda_graph_max_bs)
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]
     prefills = [int(n) for n in a.prefill.split(",") if n]
@@ -130,30 +143,41 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_decode_step: batch sizes, --context, --steps and --cpu-threads must be >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(a.cpu_threads)
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print(f"bench_decode_step: --device {a.device}, but torch sees no CUDA device", file=sys.stderr)
+        return 2
     most = max(batches, default=1)
     tokens = max(most * (a.context + a.warmup + a.steps + 1), max(prefills, default=0))
     try:
         cfg = resolve(NodeConfig(
             role="decode",
-            model=ModelConfig(model_path=a.model_path, device="cpu"),
+            model=ModelConfig(model_path=a.model_path, device=a.device, dtype=a.dtype),
             cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + most * a.page_size,
                               max_running_requests=most, enable_prefix_cache=False),
-            attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=a.torch_decode_mirror_mib),
+            attention=AttentionConfig(backend=a.attention_backend if cuda else "torch",
+                                      torch_decode_mirror_mib=a.torch_decode_mirror_mib,
+                                      cuda_graph_max_bs=a.cuda_graph_max_bs, disable_cuda_graph=a.disable_cuda_graph),
         ))
         runner = ModelRunner(cfg.model, cfg.cache, cfg.attention)
     except (ConfigError, ModelLoadError) as exc:
         print(f"bench_decode_step: {exc}", file=sys.stderr)
         return 2
     limit_row, shape, dtype_bytes = None, None, 4
+    if cuda and not a.limits:
+        limit_row = bench_limits.gpu_limits(a.device)
+        print(f"device {torch.cuda.get_device_name(a.device)}: read {limit_row['read_gbs']:.0f} GB/s, copy (read + write) "
+              f"{limit_row['copy_gbs']:.0f} GB/s, bf16 matmul {limit_row['bf16_gflops'] / 1000:.0f} TFLOP/s", flush=True)
+    if limit_row is not None or a.limits:
+        model_cfg = json.loads((Path(a.model_path) / "config.json").read_text())
+        shape = roofline.Shape.from_config(model_cfg)
+        dtype_bytes = runner.kv_pool.k_buffers[0].element_size()
     if a.limits:
         try:
             limit_row = bench_limits.for_threads(bench_limits.load(a.limits), a.cpu_threads)
-            model_cfg = json.loads((Path(a.model_path) / "config.json").read_text())
         except (OSError, ValueError) as exc:
             print(f"bench_decode_step: --limits: {exc}", file=sys.stderr)
             return 2
-        shape = roofline.Shape.from_config(model_cfg)
-        dtype_bytes = 2 if model_cfg.get("torch_dtype") in ("bfloat16", "float16") else 4
     rows = []
     peak_gflops = None
     if limit_row is not None:
@@ -191,13 +215,17 @@ def decode_rows(runner: ModelRunner, a: argparse.Namespace, batches: list[int], 
                 shape: roofline.Shape | None, dtype_bytes: int, peak_gflops: float | None,
                 rows: list[dict[str, float]]) -> None:
     """Time each batch size's decode step; print its row and append it to ``rows``."""
-    print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, "
-          f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")
+    graphs = getattr(runner, "graphs", None)
+    engine = (f"{a.device}, {runner.dtype}, attention {type(runner.attn_backend).__name__}, CUDA graphs "
+              f"{'up to batch %d' % graphs.max_batch_size if graphs is not None else 'off'}" if a.device != "cpu"
+              else f"mirror {a.torch_decode_mirror_mib} MiB, {a.cpu_threads} thread(s)")
+    print(f"model {a.model_path}, context {a.context} (+1 per step), page size {a.page_size}, {engine}")
     if limit_row is None:
         print("| batch | ms / step | us / token |\n| ---: | ---: | ---: |")
     else:
-        print(f"roofline from {a.limits}: {limit_row['threads']} thread(s), {limit_row['read_gbs']:.1f} GB/s, "
-              f"{limit_row['fp32_gflops']:.1f} GFLOP/s")
+        source = a.limits or a.device
+        print(f"roofline from {source}: {limit_row['threads']} thread(s), {limit_row['read_gbs']:.1f} GB/s, "
+              f"{(peak_gflops or limit_row['fp32_gflops']):.1f} GFLOP/s")
         print("| batch | ms / step | us / token | roofline ms | x roofline |\n| ---: | ---: | ---: | ---: | ---: |")
     for b in batches:
         ms = step_ms(runner, b, a.context, a.warmup, a.steps, a.seed)

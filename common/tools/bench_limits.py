@@ -72,6 +72,40 @@ def matmul_peak(n: int, dtype: torch.dtype, repeat: int) -> float:
     return 2 * n**3 / _best_s(lambda: torch.mm(a, b), repeat)
 
 
+def gpu_limits(device: str, mib: int = 2048, n: int = 8192, repeat: int = 10) -> dict[str, float]:
+    """A CUDA device's limits in the row format ``--limits`` readers take (``threads`` 0): read
+    bandwidth (one sum over a ``mib`` MiB float32 buffer, each byte read once), copy bandwidth
+    (bytes read plus written by a device-to-device copy) and bf16 / fp32 matmul peak (``n``-sided,
+    random data). Median of ``repeat`` event-timed runs after a warm-up."""
+    dev = torch.device(device)
+
+    def median_s(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        return sorted(times)[len(times) // 2]
+
+    def bandwidths() -> dict[str, float]:
+        buf = torch.rand(mib * 2**20 // 4, dtype=torch.float32, device=dev)  # [mib MiB / 4 bytes]
+        dst = torch.empty_like(buf)
+        return {"read_gbs": buf.numel() * 4 / median_s(lambda: buf.sum()) / 1e9,
+                "copy_gbs": 2 * buf.numel() * 4 / median_s(lambda: dst.copy_(buf)) / 1e9}
+
+    def peak(dtype: torch.dtype) -> float:
+        a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)  # [n, n]
+        return 2 * n**3 / median_s(lambda: torch.mm(a, b)) / 1e9
+
+    row = {"threads": 0, **bandwidths(), "bf16_gflops": peak(torch.bfloat16), "fp32_gflops": peak(torch.float32)}
+    torch.cuda.empty_cache()
+    return row
+
+
 def measure(threads: list[int], mib: int, n: int, repeat: int, bf16: bool) -> list[dict[str, float]]:
     rows = []
     before = torch.get_num_threads()

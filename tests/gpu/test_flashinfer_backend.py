@@ -1,4 +1,5 @@
-"""FlashInfer backend vs the torch backend on the same GPU batch (skipped without CUDA)."""
+"""FlashInfer backend vs the torch backend on the same GPU batch (skipped without CUDA): extend
+(ragged chunks, some over a cached prefix) and decode, page sizes 1 and 16, pages scattered."""
 from __future__ import annotations
 
 import pytest

@@ -37,10 +37,23 @@ def test_write_and_read_back() -> None:
     assert row is not None
     pool.write(row, 2, torch.tensor([40, 41, 42], dtype=torch.int64))
     pool.write(row, 0, [7, 8])
-    assert pool.table.dtype == torch.int32 and pool.table.shape == (2, 8)
+    assert pool.table.dtype == torch.int32 and pool.table.shape == (3, 8)  # 2 rows + the pad row
     assert pool.read(row, 5).tolist() == [7, 8, 40, 41, 42]
     assert pool.read(row, 4, start=3).tolist() == [41]
     assert pool.table[1 - row].tolist() == [0] * 8  # the other row is untouched
+    assert pool.table[pool.pad_row].tolist() == [0] * 8
+
+
+def test_the_pad_row_is_never_handed_out_nor_writable() -> None:
+    pool = ReqToTokenPool(2, 4, "cpu")
+    assert pool.pad_row == 2
+    assert sorted(r for r in (pool.alloc(), pool.alloc()) if r is not None) == [0, 1]
+    assert pool.alloc() is None
+    with pytest.raises(KVAccountingError):
+        pool.write(pool.pad_row, 0, [5])
+    with pytest.raises(KVAccountingError):
+        pool.free(pool.pad_row)
+    assert pool.table[pool.pad_row].tolist() == [0] * 4
 
 
 def test_bad_writes_are_rejected() -> None:
@@ -55,7 +68,7 @@ def test_bad_writes_are_rejected() -> None:
         pool.write(1 - row, 0, [1])  # row not allocated
     with pytest.raises(KVAccountingError):
         pool.read(1 - row, 1)
-    assert pool.table.tolist() == [[0] * 4, [0] * 4]
+    assert pool.table.tolist() == [[0] * 4, [0] * 4, [0] * 4]  # two rows and the pad row
 
 
 class ReqToTokenMachine(RuleBasedStateMachine):
