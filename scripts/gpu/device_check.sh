@@ -48,7 +48,7 @@ stamp "3. pdcluster bench, 1P1D on one GPU ($(left)s left)"
 NODE="--device cuda --dtype bfloat16 --mem-fraction-static 0.3 --grammar-backend none"
 if [ "$(left)" -gt 60 ]; then
   timeout $(( $(left) - 5 )) python3 -m common.cli bench --launch --model-path "$MODEL" --transfer-backend fake \
-    --prefill-args="$NODE" --decode-args="$NODE" --num-prompts 256 --input-len 1024 --output-len 128 \
-    --request-rate 16 --json "$OUT/bench_1p1d.json" 2>&1 | tail -30 | tee "$OUT/bench_1p1d.txt"
+    --prefill-args="$NODE" --decode-args="$NODE" --num-prompts 128 --input-len 1024 --output-len 64 \
+    --request-rate 32 --json "$OUT/bench_1p1d.json" 2>&1 | tail -30 | tee "$OUT/bench_1p1d.txt"
 fi
 stamp "done"
