@@ -32,6 +32,7 @@ class EnvVar(Generic[T]):
 
 LOG_LEVEL = EnvVar("PDC_LOG_LEVEL", "INFO", "log level of every pdcluster process")
 DEVICE = EnvVar("PDC_DEVICE", "auto", "torch device for the model runner: auto, cpu, cuda")
+FUSED_KERNELS = EnvVar("PDC_FUSED_KERNELS", True, "GPU: FlashInfer's fused norm / SiLU-mul / RoPE kernels in the layers (0: plain torch ops)")
 BOOTSTRAP_TIMEOUT_S = EnvVar("PDC_BOOTSTRAP_TIMEOUT_S", 30.0, "seconds a room may stay Bootstrapping")
 WAITING_TIMEOUT_S = EnvVar("PDC_WAITING_TIMEOUT_S", 60.0, "seconds a decode room may wait for its KV")
 HEARTBEAT_INTERVAL_S = EnvVar("PDC_HEARTBEAT_INTERVAL_S", 1.0, "decode -> prefill health probe interval")

@@ -95,6 +95,7 @@ class ModelRunner:
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings
         self.context_length = ctx
+        self.model.rotary.reserve(ctx)  # the fused RoPE kernel's table (a no-op on CPU)
         # Rows are whole pages long so a request's last page never spills past its row.
         row_len = -(-ctx // page_size) * page_size
         layout = self.arch.kv_layout(page_size, model_cfg.dtype, tp.size, tp.rank)  # this rank's KV heads

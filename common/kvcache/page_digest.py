@@ -24,13 +24,20 @@ OpenSSL runs it on the CPU's SHA extensions, 2.3x BLAKE2b's speed on this projec
 key is derived from the cluster secret, which prefill and decode share; without a secret it is a
 public constant, and the check still catches stray and garbage writes but not a forger who knows
 this code. Cost: one pass over every KV byte per role (docs/BENCHMARKS.md).
-On CUDA the pages are copied to the host first (a device-side digest is future work).
+On CUDA the pages are gathered on the device into [page, buffer, slot] blocks, a batch at a time,
+copied to a pinned host buffer in one transfer, and hashed by a few threads (hashlib releases the
+GIL): the same bytes in the same order as the host path, so a CPU node and a GPU node of one
+cluster agree. Copying each page of each layer on its own (one transfer and one sync each) made
+the prefill of a Qwen3-0.6B-shaped model on an H200 spend ~20 s of its scheduler loop per 85 k
+prompt tokens on digests alone (docs/BENCHMARKS.md, "GPU").
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -38,6 +45,7 @@ import torch
 DIGEST_BYTES = 16
 _KEY_CONTEXT = b"pdcluster/kv-digest/v1"
 _OPEN_KEY = b"pdcluster/kv-digest/open-v1"
+STAGING_BYTES = 64 << 20  # device path: pages gathered and copied to the host per batch
 
 
 def digest_key(secret: str | None) -> bytes:
@@ -53,11 +61,21 @@ class PageDigests:
     """Digests of the pages of one KV pool (``buffers``: every layer's K and V tensor, each
     ``[num_pages * page_size, ...]``), one slot per page id."""
 
-    def __init__(self, buffers: Sequence[torch.Tensor], page_size: int, num_pages: int, key: bytes) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor], page_size: int, num_pages: int, key: bytes,
+                 batched: bool | None = None, threads: int | None = None) -> None:
+        """``batched``: gather and copy pages in batches (default: when the buffers are on a GPU;
+        tests force it on CPU to check it gives the host path's digests). ``threads``: hashing
+        threads of the batched path (default: up to 4 of the cores this process may use)."""
         self.page_size = page_size
         self._key = key
         self._buffers = list(buffers)
         self._host = all(b.device.type == "cpu" for b in self._buffers)
+        self._batched = not self._host if batched is None else batched
+        self._page_bytes = sum(b[:page_size].numel() * b.element_size() for b in self._buffers)
+        self._per_batch = max(1, STAGING_BYTES // self._page_bytes)
+        self._staging: torch.Tensor | None = None
+        self._pool = ThreadPoolExecutor(threads or min(4, len(os.sched_getaffinity(0))), thread_name_prefix="kv-digest") \
+            if self._batched else None
         # Host buffers as [slots, bytes per slot] uint8 views sharing memory: hashed without a copy.
         self._views = [b.view(torch.uint8).reshape(b.shape[0], -1).numpy() for b in self._buffers] if self._host else []
         self._table = np.zeros((num_pages, DIGEST_BYTES), dtype=np.uint8)
@@ -80,20 +98,64 @@ class PageDigests:
                 h.update(buf[start:end].view(torch.uint8).cpu().numpy())
         return h.digest()[:DIGEST_BYTES]
 
+    def compute_many(self, pages: Sequence[int], valid_last: int | None = None) -> list[bytes]:
+        """``compute`` of each page (``valid_last``: the last one's valid slots), batched on a GPU."""
+        if not pages:
+            return []
+        if not self._batched:
+            return [self.compute(p, valid_last if i == len(pages) - 1 else None) for i, p in enumerate(pages)]
+        partial = valid_last is not None and valid_last != self.page_size
+        full = list(pages[:-1] if partial else pages)
+        out: list[bytes] = []
+        for start in range(0, len(full), self._per_batch):
+            out += self._digest_full_pages(full[start : start + self._per_batch])
+        if partial:
+            out.append(self.compute(pages[-1], valid_last))
+        return out
+
+    def _digest_full_pages(self, pages: list[int]) -> list[bytes]:
+        """One gather per buffer into [page, buffer, slot bytes] blocks, one copy to the host, the
+        pages hashed in the thread pool. Each block holds what ``compute`` feeds its MAC in order."""
+        ps, n = self.page_size, len(pages)
+        idx = torch.tensor(pages, dtype=torch.int64, device=self._buffers[0].device)
+        blocks = torch.stack([b.view(torch.uint8).view(b.shape[0] // ps, -1).index_select(0, idx)
+                              for b in self._buffers], dim=1)  # [n, buffers, page bytes per buffer]
+        flat = blocks.view(n, -1)
+        if self._host:
+            host = flat.numpy()
+        else:
+            if self._staging is None:
+                self._staging = torch.empty(self._per_batch * self._page_bytes, dtype=torch.uint8, pin_memory=True)
+            staged = self._staging[: flat.numel()].view(n, -1)
+            staged.copy_(flat)  # pinned: one DMA; waits for the gather
+            host = staged.numpy()
+        prefix = np.int64(ps).tobytes()
+        assert self._pool is not None
+        return list(self._pool.map(lambda row: self._mac(prefix, row), host))
+
+    def _mac(self, prefix: bytes, row: np.ndarray) -> bytes:
+        h = hmac.new(self._key, prefix, hashlib.sha256)
+        h.update(row)
+        return h.digest()[:DIGEST_BYTES]
+
     def record(self, pages: Sequence[int], valid_last: int | None = None) -> None:
         """Digest ``pages`` as our forward just wrote them (``valid_last``: tokens in the last one
         when it is partly filled)."""
-        for i, page in enumerate(pages):
-            valid = valid_last if i == len(pages) - 1 else None
-            self._table[page] = np.frombuffer(self.compute(page, valid), dtype=np.uint8)
+        for page, d in zip(pages, self.compute_many(pages, valid_last)):
+            self._table[page] = np.frombuffer(d, dtype=np.uint8)
             self._known[page] = True
 
     def first_mismatch(self, pages: Sequence[int]) -> int | None:
         """Index in ``pages`` of the first full page whose bytes are not what was recorded (or that
         has no record) on any TP rank, None when all match."""
-        first = len(pages)
+        known = len(pages)
         for i, page in enumerate(pages):
-            if not self._known[page] or self.compute(page) != self._table[page].tobytes():
+            if not self._known[page]:
+                known = i
+                break
+        first = known
+        for i, d in enumerate(self.compute_many(pages[:known])):
+            if d != self._table[pages[i]].tobytes():
                 first = i
                 break
         first = self.agree_min(first)
@@ -116,12 +178,11 @@ class PageDigests:
         n = -(-num_tokens // self.page_size)
         h = hmac.new(self._key, np.int64(num_tokens).tobytes(), hashlib.sha256)
         full: list[tuple[int, bytes]] = []
-        for i, page in enumerate(pages[:n]):
-            valid = num_tokens - i * self.page_size if i == n - 1 else None
-            valid = None if valid == self.page_size else valid
-            d = self.compute(page, valid)
+        last_valid = num_tokens - (n - 1) * self.page_size
+        last_valid_or_none = None if last_valid == self.page_size else last_valid
+        for i, (page, d) in enumerate(zip(pages[:n], self.compute_many(pages[:n], last_valid_or_none))):
             h.update(d)
-            if valid is None:
+            if i < n - 1 or last_valid_or_none is None:
                 full.append((page, d))
         ok = hmac.compare_digest(h.digest()[:DIGEST_BYTES], expected)
         if not ok:

@@ -34,6 +34,7 @@ from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.models.arch import ModelArchConfig
 from common.models.llama import MLP, Attention, LlamaFamilyForCausalLM, RMSNorm, Targets, empty_param
+from common.models.rope import Rope
 from common.models.sharding import ShardingError
 from common.parallel import SINGLE_RANK, TPGroup
 
@@ -92,10 +93,14 @@ class Lfm2Layer(nn.Module):
         else:
             self.self_attn = Attention(arch, arch.attention_layers.index(layer_id), backend, dtype)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.operator_norm(h)
-        h = h + (self.conv(x, batch) if self.conv is not None else self.self_attn(x, cos, sin, batch))  # type: ignore[misc]
-        return h + self.feed_forward(self.ffn_norm(h))  # [T, H]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's feed-forward output, the residual stream before it), as
+        the Llama family's layers (common/models/llama.py)."""
+        x, residual = self.operator_norm.add(x, residual)
+        x = self.conv(x, batch) if self.conv is not None else self.self_attn(x, rope, batch)  # type: ignore[misc]
+        x, residual = self.ffn_norm.add(x, residual)
+        return self.feed_forward(x), residual
 
 
 class Lfm2ForCausalLM(LlamaFamilyForCausalLM):

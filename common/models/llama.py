@@ -4,6 +4,11 @@
            -> RMSNorm (last new token of each request only) -> hidden [B, H]
     compute_logits(hidden) -> lm_head (or the tied embedding) -> [B, vocab] float32
 
+Layers pass the residual stream on its own: a layer takes (x, residual), the last sublayer's output
+and the running sum before it, and adds x in the same op as its first norm (``ops.add_rms_norm``,
+one fused kernel on a GPU, common/models/ops.py); the final sum happens after the last layer.
+The sums and norms are the same as ``h = h + sublayer(norm(h))``, in the same order.
+
 Family differences are flags: ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3: per-head RMSNorm on q
 and k before RoPE), ``tie_word_embeddings``, RoPE scaling (Llama 3.1).
 
@@ -27,7 +32,8 @@ from torch import nn
 from common.attention.base import AttentionBackend, AttentionLayerSpec
 from common.engine.forward_batch import ForwardBatch
 from common.models.arch import ModelArchConfig
-from common.models.rope import RotaryEmbedding, apply_rope
+from common.models import ops
+from common.models.rope import Rope, RotaryEmbedding
 from common.models.sharding import ShardTarget, attention_shard, cols, rows, split_size
 from common.parallel import SINGLE_RANK, TPGroup
 
@@ -54,10 +60,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 whatever the model dtype, then scale in the model dtype (as HF).
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the first layer has no residual yet: (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -86,7 +95,7 @@ class Attention(nn.Module):
             scaling=arch.head_dim**-0.5,
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.arch.head_dim
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -94,7 +103,7 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, d)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope.apply(q, k)
         out = self.backend.forward(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), self.spec, batch)  # [T, q]
         return row_parallel_linear(out, self.o_proj, self.o_bias, self.tp)  # [T, H]
 
@@ -131,8 +140,8 @@ class MLP(nn.Module):
         self.down_bias = empty_param(arch.hidden_size, dtype=dtype) if arch.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj, self.gate_up_bias).split(self.inter, dim=-1)  # [T, I] each
-        return row_parallel_linear(F.silu(gate) * up, self.down_proj, self.down_bias, self.tp)  # [T, H]
+        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]: gate | up
+        return row_parallel_linear(ops.silu_mul(gate_up), self.down_proj, self.down_bias, self.tp)  # [T, H]
 
     def checkpoint_targets(self, prefix: str, names: tuple[str, str, str]) -> Targets:
         """``prefix`` + gate/up/down names -> our slices::
@@ -161,9 +170,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype, tp)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)  # [T, H]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, H]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it); [T, H] each."""
+        x, residual = self.input_layernorm.add(x, residual)
+        x, residual = self.post_attention_layernorm.add(self.self_attn(x, rope, batch), residual)
+        return self.mlp(x), residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -191,10 +203,11 @@ class LlamaFamilyForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden state of each request's last new token, after the final norm. [B, H]"""
-        h = F.embedding(batch.input_ids, self.embed_tokens)  # [T, H]
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)  # [T, 1, head_dim] each
+        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None  # [T, H]
+        rope = self.rotary.prepare(batch.positions, self.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, batch)
+            x, residual = layer(x, residual, rope, batch)
+        h = x if residual is None else residual + x  # [T, H]
         return self.norm(h[batch.last_token_indices()])  # [B, H]
 
     @torch.inference_mode()

@@ -8,6 +8,11 @@ angle ``position * inv_freq[i]``::
 
 cos/sin are computed per forward from the packed positions (float32, one tiny outer product
 shared by every layer) instead of a max-length table, so positions are never out of range.
+
+On CUDA with fused kernels (common/models/ops.py) the rotation of q and k is one FlashInfer
+kernel, in place, reading a float32 ``cos | sin`` table the runner has the rotary module build
+for its context length (``reserve``); the per-forward cos/sin path stays for CPU and as the
+reference.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import math
 import torch
 
 from common.models.arch import RopeConfig
+from common.models.ops import fused
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -55,6 +61,23 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim = head_dim
         # A buffer so .to(device) moves it; not persistent: it is derived, never loaded.
         self.register_buffer("inv_freq", inv_frequencies(rope, head_dim), persistent=False)
+        self.table: torch.Tensor | None = None  # [positions, head_dim] float32 cos | sin (fused path)
+
+    def reserve(self, max_positions: int) -> None:
+        """Build the fused kernel's table for positions below ``max_positions`` (no-op where the
+        torch path runs)."""
+        if fused(self.inv_freq) is None:
+            return
+        freqs = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq[None, :]
+        self.table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, d]
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """What every layer's ``Rope.apply`` needs for this forward's packed positions [T]."""
+        fi = fused(positions)
+        if fi is not None and self.table is not None:
+            return Rope(positions=positions, table=self.table, kernels=fi)
+        cos, sin = self.cos_sin(positions, dtype)
+        return Rope(cos=cos, sin=sin)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> cos, sin [T, 1, head_dim] in ``dtype`` (broadcast over heads)."""
@@ -68,3 +91,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, d]
     return x * cos + rotated * sin
+
+
+class Rope:
+    """One forward's rotary inputs: cos/sin [T, 1, head_dim] (torch) or positions and the table
+    (fused, in place)."""
+
+    def __init__(self, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, table: torch.Tensor | None = None, kernels: object = None) -> None:
+        self.cos, self.sin, self.positions, self.table, self.kernels = cos, sin, positions, table, kernels
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, d], k [T, kv_heads, d] -> rotated (the fused path rotates them in place)."""
+        if self.kernels is not None:
+            t, d = q.shape[0], q.shape[-1]
+            self.kernels.rope.apply_rope_with_cos_sin_cache_inplace(  # type: ignore[attr-defined]
+                self.positions, q.view(t, -1), k.view(t, -1), d, self.table, is_neox=True)
+            return q, k
+        assert self.cos is not None and self.sin is not None
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)

@@ -43,10 +43,11 @@ def test_flashinfer_matches_torch(page_size: int, mode: ForwardMode) -> None:
     for backend in (TorchAttentionBackend(), FlashInferAttentionBackend(dev)):
         pool = KVPool(layout, num_pages, dev)
         table = torch.zeros(len(prefix), 512, dtype=torch.int32, device=dev)
-        perm = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(1))[:120] + 1  # scattered pages
-        for r, (p, n) in enumerate(zip(prefix, ext)):
+        per_req = max(-(-(p + n) // page_size) for p, n in zip(prefix, ext))  # pages the longest request needs
+        perm = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(1))[: len(prefix) * per_req] + 1
+        for r, (p, n) in enumerate(zip(prefix, ext)):  # each request: its own scattered pages
             need = -(-(p + n) // page_size)
-            pages = perm[r * 30 : r * 30 + need].to(dev)
+            pages = perm[r * per_req : r * per_req + need].to(dev)
             slots = (pages[:, None] * page_size + torch.arange(page_size, device=dev)[None, :]).reshape(-1)
             table[r, : slots.numel()] = slots.to(torch.int32)
         gen = torch.Generator(device=dev).manual_seed(2)

@@ -10,6 +10,7 @@ write there the same way (the bytes of the registered buffers) and check that
 The decode scheduler runs on the fake rig of test_decode_scheduler.py, with a real pool beside it."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.kvcache.allocator import PageAllocator
@@ -160,3 +161,28 @@ def test_the_decode_fails_a_request_whose_kv_is_not_what_the_prefill_digested() 
     assert rig.tokens("poisoned") == []  # nothing decoded from it
     assert rig.stats.metrics()["kv_integrity_failures_total"] == 1.0
     rig.assert_clean()
+
+
+def test_the_batched_path_digests_the_same_bytes_as_the_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path (pages gathered in batches, hashed by a thread pool), run on CPU tensors, gives
+    the host path's digests: a CPU node and a GPU node of one cluster agree. Batches of 2 pages
+    make several batches and a remainder; a partial last page goes the single-page way."""
+    import common.kvcache.page_digest as page_digest
+
+    p = pool()
+    fill(p, list(range(1, 12)), seed=5)
+    host = PageDigests(p.buffers(), PS, p.num_pages, KEY)
+    page_bytes = sum(b[:PS].numel() * b.element_size() for b in p.buffers())
+    monkeypatch.setattr(page_digest, "STAGING_BYTES", 2 * page_bytes)
+    batched = PageDigests(p.buffers(), PS, p.num_pages, KEY, batched=True, threads=3)
+    assert batched._per_batch == 2
+    pages = [7, 1, 2, 9, 3]
+    assert batched.compute_many(pages) == host.compute_many(pages) == [host.compute(q) for q in pages]
+    assert batched.compute_many(pages, valid_last=PS - 1) == host.compute_many(pages, valid_last=PS - 1)
+    assert batched.compute_many(pages, valid_last=PS - 1)[-1] == host.compute(3, PS - 1)
+    batched.record(pages)
+    assert batched.first_mismatch(pages) is None
+    poke(p, 9, layer_buffer=2 * LAYOUT.num_layers - 1, offset=1)
+    assert batched.first_mismatch(pages) == 3
+    host.record([1, 2], valid_last=PS - 1)
+    assert batched.arrived_intact([1, 2], 2 * PS - 1, host.room_digest([1, 2], 2 * PS - 1))
