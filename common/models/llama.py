@@ -104,7 +104,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
-        out = self.backend.forward(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), self.spec, batch)  # [T, q]
+        out = self.backend.forward(q.reshape(t, -1), k.reshape(t, -1), v, self.spec, batch)  # [T, q]; v a view of qkv
         return row_parallel_linear(out, self.o_proj, self.o_bias, self.tp)  # [T, H]
 
     def checkpoint_targets(self, prefix: str, names: tuple[str, str, str, str]) -> Targets:

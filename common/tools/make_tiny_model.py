@@ -400,7 +400,7 @@ def _lfm2_weights(cfg: dict[str, Any], w: dict[str, torch.Tensor], randn: Any, n
     """LFM2's names. A conv layer: in_proj -> (B, C, x); y = C * conv(B * x) -> out_proj. With
     in_proj entries ~1 and a conv tap std of 1/sqrt(3), y is ~1 like an attention output."""
     hidden, n_heads, n_kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim, width = hidden // n_heads, cfg["conv_L_cache"]
+    head_dim, width = cfg.get("head_dim") or hidden // n_heads, cfg["conv_L_cache"]
     inter = lfm2_intermediate_size(cfg)
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."

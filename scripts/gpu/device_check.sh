@@ -15,6 +15,8 @@
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 DEADLINE_S=${DEADLINE_S:-480}
+STAGES=${STAGES:-"tests decode cluster"}  # any of: tests profile decode cluster
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 mkdir -p "$OUT"
 T0=$(date +%s)
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
@@ -33,14 +35,22 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import flashinfer, zmq, msgspec, fastapi, transformers; print('flashinfer', flashinfer.__version__, 'transformers', transformers.__version__)"
 
-stamp "1. GPU tests (timeout $(( $(left) - 240 ))s)"
-timeout $(( $(left) - 240 )) python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfEs --tb=short --timeout 600 tests/gpu \
+MODEL=/tmp/qwen3-0.6b
+if has decode || has profile || has cluster; then
+  python3 -m common.cli make-tiny-model --shape qwen3-0.6b --dtype bfloat16 "$MODEL" > /dev/null 2>&1 || echo "make-tiny-model failed"
+fi
+if has tests; then
+stamp "1. GPU tests (timeout ${TESTS_S:=$(( $(left) - 240 ))}s)"
+timeout $TESTS_S python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfEs --tb=short --timeout 600 tests/gpu \
   > "$OUT/gpu_tests.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed|tokens equal" "$OUT/gpu_tests.txt" | tail -30
-
+fi
+if has profile; then
+  stamp "profile of one CUDA-graph decode step"
+  timeout 90 python3 scripts/gpu/profile_decode.py "$MODEL" --batch 1,64 2>&1 | grep -vE "INFO|WARN" | tail -24
+fi
+if has decode; then
 stamp "2. decode steps and prefill, Qwen3-0.6B shape"
-MODEL=/tmp/qwen3-0.6b
-python3 -m common.cli make-tiny-model --shape qwen3-0.6b --dtype bfloat16 "$MODEL" > /dev/null 2>&1 || echo "make-tiny-model failed"
 STEP="python3 -m common.tools.bench_decode_step --model-path $MODEL --device cuda --dtype bfloat16 --attention-backend flashinfer --batch 1,8,32,64 --context 1024 --warmup 10 --steps 100"
 echo "--- CUDA graphs, fused kernels"
 timeout 150 $STEP --prefill 512,2048,8192 --json "$OUT/decode_graph.json" 2>&1 | grep -E "^(\||prefill|device|model|roof)" 
@@ -48,10 +58,11 @@ echo "--- CUDA graphs, plain torch ops (PDC_FUSED_KERNELS=0)"
 PDC_FUSED_KERNELS=0 timeout 90 $STEP --json "$OUT/decode_unfused.json" 2>&1 | grep -E "^\|"
 echo "--- eager, fused kernels"
 timeout 90 $STEP --disable-cuda-graph --json "$OUT/decode_eager.json" 2>&1 | grep -E "^\|"
+fi
 
 NODE="--device cuda --dtype bfloat16 --mem-fraction-static 0.3 --grammar-backend none"
 BENCH="python3 -m common.cli bench --launch --model-path $MODEL --transfer-backend fake --num-prompts 128 --input-len 1024 --output-len 64 --request-rate 32"
-for variant in digest nodigest; do
+has cluster && for variant in digest nodigest; do
   stamp "3. pdcluster bench 1P1D on one GPU, KV digests ${variant#no} ($(left)s left)"
   [ "$(left)" -gt 50 ] || break
   env $([ $variant = nodigest ] && echo PDC_KV_INTEGRITY=0) timeout $(( $(left) - 5 )) $BENCH \

@@ -22,7 +22,7 @@ from common.engine.cuda_graph import DecodeGraphs  # noqa: E402
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner  # noqa: E402
 
 HEAD_DIM = 128  # one FlashInfer JIT module (bf16, head_dim 128) serves every GPU test
-NEAR_TIE = 0.25  # logit units (tiny models' logits have a std of ~8; bf16 spacing there is 1/16-1/8)
+NEAR_TIE = 0.5  # logit units: two bf16 steps at |logits| of 32-64 (tiny models' logits have a std of ~8)
 
 
 def gpu_runner(model_dir: str, graphs: bool, page_size: int) -> ModelRunner:
@@ -71,7 +71,7 @@ def test_graph_replay_equals_eager(tiny_model_factory: Callable[..., str], arch:
         top2 = want.topk(2, dim=-1).values
         for j, (a, b) in enumerate(zip(want.argmax(-1).tolist(), got.argmax(-1).tolist())):
             gap = float(top2[j, 0] - top2[j, 1])
-            assert a == b or gap < NEAR_TIE, f"step {step} row {j}: eager {a}, graph {b}, eager top-2 gap {gap:.3g}"
+            assert a == b or gap <= NEAR_TIE, f"step {step} row {j}: eager {a}, graph {b}, eager top-2 gap {gap:.3g}"
         for i, t in zip(picked, want.argmax(-1).tolist()):
             lens[i] += 1
             nxt[i] = t

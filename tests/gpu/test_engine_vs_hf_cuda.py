@@ -3,7 +3,7 @@ on CUDA in bfloat16, greedy, token for token, for both archs (the Llama family a
 hybrid). Skipped without CUDA or flashinfer.
 
 Both sides round to bfloat16, but in different kernels, so logits differ by a few hundredths; a
-divergence is tolerated only where HF's own top-2 gap at that step is under NEAR_TIE (then the
+divergence is tolerated only where HF's own top-2 gap at that step is at most NEAR_TIE (then the
 continuations are different texts and the comparison of that prompt stops). Every other token
 must match."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tests.local_engine import LocalEngine  # noqa: E402
 from tests.reference import hf_greedy  # noqa: E402
 
 HEAD_DIM = 128
-NEAR_TIE = 0.25  # logit units; tiny models' logits have a std of ~8
+NEAR_TIE = 0.5  # logit units: two bf16 steps at |logits| of 32-64 (tiny models' logits have a std of ~8)
 MAX_NEW = 16
 
 
@@ -61,7 +61,7 @@ def test_greedy_matches_hf_on_cuda(tiny_model_factory: Callable[..., str], arch:
         want, gaps = hf_greedy(model_dir, prompt, MAX_NEW, dtype=torch.bfloat16, device="cuda")
         for step, (g, w) in enumerate(zip(res.output_ids, want)):
             if g != w:
-                assert gaps[step] < NEAR_TIE, (f"{arch} prompt {i} (len {len(prompt)}) diverges at step {step}: "
+                assert gaps[step] <= NEAR_TIE, (f"{arch} prompt {i} (len {len(prompt)}) diverges at step {step}: "
                                                f"got {g}, HF {w}, HF top-2 gap {gaps[step]:.3g}")
                 ties.append(f"prompt {i} step {step} gap {gaps[step]:.3f}")
                 break
