@@ -103,6 +103,20 @@ def grammar_matcher(model_dir: str, kind: str, text: str):  # type: ignore[no-un
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def hf_teacher_forced(model_dir: str, prompt_ids: list[int], output_ids: list[int], dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> list[float]:
+    """How far each token of ``output_ids`` is from HF's greedy choice given the tokens before it:
+    ``max logit - logit of output_ids[i]`` after ``prompt_ids + output_ids[:i]`` (0 where it is the
+    argmax), from one forward without cache. Unlike a free-running ``hf_greedy`` it does not
+    compound: a bf16 engine can be held to HF in float32 step by step."""
+    model = hf_model(model_dir, dtype, device)
+    ids = torch.tensor([prompt_ids + output_ids[:-1]], dtype=torch.long, device=device)  # [1, P + O - 1]
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 :].float()  # [O, vocab]
+    chosen = logits.gather(1, torch.tensor(output_ids, device=device)[:, None])[:, 0]  # [O]
+    return (logits.max(dim=-1).values - chosen).tolist()
+
+
 def hf_greedy_constrained(model_dir: str, prompt_ids: list[int], max_new_tokens: int, kind: str,
                           text: str) -> tuple[list[int], list[float]]:
     """HF ``generate`` (greedy) with the grammar applied as a logits processor, and the top-2 gap

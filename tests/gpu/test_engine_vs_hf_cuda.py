@@ -27,11 +27,22 @@ from common.engine.sampler import Sampler  # noqa: E402
 from common.request import SamplingParams  # noqa: E402
 from common.sched.stop import StopChecker  # noqa: E402
 from tests.local_engine import LocalEngine  # noqa: E402
-from tests.reference import hf_greedy  # noqa: E402
+from tests.reference import hf_greedy, hf_teacher_forced  # noqa: E402
 
 HEAD_DIM = 128
 NEAR_TIE = 0.5  # logit units: two bf16 steps at |logits| of 32-64 (tiny models' logits have a std of ~8)
 MAX_NEW = 16
+
+
+def drift_against_fp32(model_dir: str, prompt: list[int], ours: list[int], hf_bf16: list[int]) -> str:
+    """Both bf16 runs held to HF in float32 token by token (``hf_teacher_forced``): how far each
+    one's choices fall below float32's argmax. Ours no worse than HF bf16's own says bf16 drift,
+    far worse says a fault."""
+    mine = hf_teacher_forced(model_dir, prompt, ours, torch.float32, "cuda")
+    theirs = hf_teacher_forced(model_dir, prompt, hf_bf16, torch.float32, "cuda")
+    return (f"against HF float32 (teacher-forced), the largest logit deficit of our tokens is {max(mine):.3f} "
+            f"(steps over 0.01: {sum(d > 0.01 for d in mine)}), of HF bf16's {max(theirs):.3f} "
+            f"(steps over 0.01: {sum(d > 0.01 for d in theirs)})")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "lfm2"])
@@ -62,7 +73,8 @@ def test_greedy_matches_hf_on_cuda(tiny_model_factory: Callable[..., str], arch:
         for step, (g, w) in enumerate(zip(res.output_ids, want)):
             if g != w:
                 assert gaps[step] <= NEAR_TIE, (f"{arch} prompt {i} (len {len(prompt)}) diverges at step {step}: "
-                                               f"got {g}, HF {w}, HF top-2 gap {gaps[step]:.3g}")
+                                               f"got {g}, HF {w}, HF top-2 gap {gaps[step]:.3g}; "
+                                               + drift_against_fp32(model_dir, prompt, res.output_ids, want))
                 ties.append(f"prompt {i} step {step} gap {gaps[step]:.3f}")
                 break
             matched += 1

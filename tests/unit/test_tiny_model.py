@@ -148,6 +148,17 @@ def test_hf_greedy_matches_uncached_argmax(tiny_llama: str) -> None:
     assert torch.allclose(top2[:, 0] - top2[:, 1], torch.tensor(gaps), atol=1e-4)
 
 
+def test_hf_teacher_forced_scores_greedy_tokens_zero_and_others_by_their_deficit(tiny_llama: str) -> None:
+    from tests.reference import hf_teacher_forced
+
+    prompt = [5, 17, 42, 99, 3]
+    tokens, gaps = hf_greedy(tiny_llama, prompt, 6)
+    assert max(hf_teacher_forced(tiny_llama, prompt, tokens)) < 1e-4
+    runner_up = hf_logits(tiny_llama, prompt + tokens[:2])[-1].topk(2).indices[1].item()  # 2nd choice at step 3
+    deficits = hf_teacher_forced(tiny_llama, prompt, tokens[:2] + [runner_up])
+    assert abs(deficits[2] - gaps[2]) < 1e-4 and max(deficits[:2]) < 1e-4
+
+
 def test_hf_greedy_stops_on_any_eos(tiny_llama: str) -> None:
     from tests.reference import generation_eos_ids
 
