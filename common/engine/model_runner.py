@@ -115,9 +115,9 @@ class ModelRunner:
         log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d%s", num_pages, page_size,
                  self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len,
                  "" if self.state_pool is None else f", state {self.state_pool.nbytes() / 2**20:.1f} MiB")
-        self.graphs = self._decode_graphs(attention_cfg, cache_cfg.max_running_requests)
+        self.graphs = self.capture_decode_graphs(attention_cfg, cache_cfg.max_running_requests)
 
-    def _decode_graphs(self, cfg: AttentionConfig, max_running: int,
+    def capture_decode_graphs(self, cfg: AttentionConfig, max_running: int,
                        capture: GraphCapture | None = None) -> DecodeGraphs | None:
         """Capture the decode forward where it can run as CUDA graphs (``capture`` overrides the
         CUDA capture: tests pass ``EagerCapture`` to run the same path on CPU)."""

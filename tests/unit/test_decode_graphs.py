@@ -67,7 +67,7 @@ def build_runner(model_dir: str, monkeypatch: pytest.MonkeyPatch, graphs: bool) 
     monkeypatch.undo()
     assert runner.graphs is None  # CPU: never captured on its own
     if graphs:
-        runner.graphs = runner._decode_graphs(AttentionConfig(cuda_graph_max_bs=8), 12, EagerCapture())
+        runner.graphs = runner.capture_decode_graphs(AttentionConfig(cuda_graph_max_bs=8), 12, EagerCapture())
     return runner
 
 
