@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.attention.base import AttentionBackend, AttentionLayerSpec
@@ -43,17 +44,18 @@ def paged_kv_metadata(seq_lens: Sequence[int], rows: torch.Tensor, table: torch.
     the table's device). Returns ``indptr`` [B+1] and ``last_page_len`` [B] (int32, on the host:
     FlashInfer plans on the host) and ``indices`` [indptr[-1]] (int32, on the table's device),
     gathered from the table with index tensors whose size is known on the host, so no
-    boolean-mask indexing (a sync) is needed."""
-    seq = torch.tensor(list(seq_lens), dtype=torch.int64)  # [B]
+    boolean-mask indexing (a sync) is needed. The host arithmetic is numpy: a decode step runs it
+    before every replay, and torch's per-op overhead on CPU tensors made it 4-6x slower."""
+    seq = np.asarray(seq_lens, dtype=np.int64)  # [B]
     pages = (seq + page_size - 1) // page_size  # [B]
-    indptr = torch.zeros(len(seq) + 1, dtype=torch.int64)
-    torch.cumsum(pages, dim=0, out=indptr[1:])
-    owner = torch.repeat_interleave(torch.arange(len(seq)), pages)  # [P] request of each page entry
-    nth = torch.arange(int(indptr[-1])) - indptr[:-1][owner]  # [P] page number within its request
-    where = torch.stack([owner, nth * page_size]).to(table.device, non_blocking=True)  # [2, P], one copy
+    indptr = np.zeros(len(seq) + 1, dtype=np.int64)
+    np.cumsum(pages, out=indptr[1:])
+    owner = np.repeat(np.arange(len(seq)), pages)  # [P] request of each page entry
+    nth = np.arange(indptr[-1]) - indptr[:-1][owner]  # [P] page number within its request
+    where = torch.from_numpy(np.stack([owner, nth * page_size])).to(table.device, non_blocking=True)  # [2, P], one copy
     indices = (table[rows[where[0]], where[1]] // page_size).to(torch.int32)  # [P]
-    last = (seq - (pages - 1) * page_size).to(torch.int32)  # [B]
-    return indptr.to(torch.int32), indices, last
+    last = torch.from_numpy((seq - (pages - 1) * page_size).astype(np.int32))  # [B]
+    return torch.from_numpy(indptr.astype(np.int32)), indices, last
 
 
 @dataclass
