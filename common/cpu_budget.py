@@ -75,6 +75,7 @@ def format_cpu_list(cores: list[int] | tuple[int, ...]) -> str:
 class CpuConfig:
     threads: int = 0  # torch intra-op threads of the scheduler process; 0: auto
     bind: tuple[int, ...] = ()  # cores to pin the scheduler process to; (): no pinning
+    share: str = ""  # core-share group (common/cpu_share.py); "": off
 
     def validate(self) -> None:
         if self.threads < 0:
@@ -85,19 +86,31 @@ class CpuConfig:
     def resolved(self) -> CpuConfig:
         """``threads`` filled in: the bound cores, else every core this process may use."""
         self.validate()
-        return CpuConfig(self.threads or len(self.bind or allowed_cpus()), self.bind)
+        return CpuConfig(self.threads or len(self.bind or allowed_cpus()), self.bind, self.share)
+
+    def cores(self) -> int:
+        """The cores the scheduler may run on: the bound ones, else its affinity."""
+        return len(self.bind or allowed_cpus())
 
     def as_dict(self) -> dict:
-        return {"threads": self.threads, "bind": format_cpu_list(self.bind) if self.bind else None}
+        return {"threads": self.threads, "bind": format_cpu_list(self.bind) if self.bind else None,
+                "share": self.share or None}
 
 
-def cpu_config(threads: int | None, bind: str | None) -> CpuConfig:
-    """From the flags, falling back to PDC_CPU_THREADS / PDC_CPU_BIND; resolved and checked."""
+def cpu_config(threads: int | None, bind: str | None, share: str | None = None) -> CpuConfig:
+    """From the flags, falling back to PDC_CPU_THREADS / PDC_CPU_BIND / PDC_CPU_SHARE; resolved and checked."""
     from common import envs
+    from common.cpu_share import CoreShareError, check_group
 
     threads = envs.CPU_THREADS.get() if threads is None else threads
     bind = envs.CPU_BIND.get() if bind is None else bind
-    return CpuConfig(threads, parse_cpu_list(bind) if bind else ()).resolved()
+    share = envs.CPU_SHARE.get() if share is None else share
+    if share:
+        try:
+            check_group(share)
+        except CoreShareError as exc:
+            raise CpuBudgetError(str(exc)) from exc
+    return CpuConfig(threads, parse_cpu_list(bind) if bind else (), share).resolved()
 
 
 def apply_scheduler_budget(cfg: CpuConfig) -> None:

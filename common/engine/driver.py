@@ -23,7 +23,9 @@ scheduler advances those matchers next.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,9 @@ from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
 from common.engine.sampler import PendingMask, SampledToken, Sampler, needs_penalties
 from common.grammar.backend import Matcher
 from common.request import SamplingParams
+
+if TYPE_CHECKING:
+    from common.cpu_share import CoreBoard
 
 
 @dataclass(frozen=True)
@@ -56,15 +61,19 @@ class SampleSpec:
 
 
 class EngineDriver:
-    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, cores: CoreBoard | None = None) -> None:
         self.runner = runner
         self.sampler = sampler
+        # Co-located nodes' core board (common/cpu_share.py): each forward claims its threads there,
+        # and a decode sizes its pool to the cores idle neighbours lend. None: a fixed pool.
+        self.cores = cores
 
     def run_extend(self, chunks: Sequence[ExtendChunk], specs: Sequence[SampleSpec | None]) -> list[SampledToken | None]:
         if len(chunks) != len(specs):
             raise ValueError(f"{len(chunks)} chunks but {len(specs)} sample specs")
-        logits = self.runner.extend(chunks)  # [B, vocab]
-        return self._sample(logits, specs)
+        with self._claim():
+            logits = self.runner.extend(chunks)  # [B, vocab]
+            return self._sample(logits, specs)
 
     def run_decode(self, items: Sequence[DecodeItem], specs: Sequence[SampleSpec]) -> list[SampledToken]:
         if len(items) != len(specs):
@@ -74,11 +83,15 @@ class EngineDriver:
         mask = self.sampler.start_grammar_mask([s.grammar for s in specs]) if any(
             s.grammar is not None for s in specs) else None
         try:
-            logits = self.runner.decode(items)  # [B, vocab]
-            return [t for t in self._sample(logits, specs, mask) if t is not None]
+            with self._claim():
+                logits = self.runner.decode(items)  # [B, vocab]
+                return [t for t in self._sample(logits, specs, mask) if t is not None]
         finally:
             if mask is not None:
                 mask.settle()  # on every path: the scheduler advances these matchers next
+
+    def _claim(self) -> AbstractContextManager:
+        return nullcontext() if self.cores is None else self.cores.forward()
 
     def _sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec | None],
                 grammar_mask: PendingMask | None = None) -> list[SampledToken | None]:

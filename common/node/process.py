@@ -38,6 +38,7 @@ import msgspec
 from common import envs
 from common.config import CacheConfig, GrammarConfig, NodeConfig
 from common.cpu_budget import apply_scheduler_budget
+from common.cpu_share import CoreBoard, open_board
 from common.ipc.node_io import NodeIO, RankWaker, flush_cache
 from common.ipc.protocol import AbortReq, FlushCacheReq, GenerateReq, IpcEndpoints, ReqOutput, WorkItem
 from common.node.contract import NodeScheduler, StepStats
@@ -126,6 +127,7 @@ class NodeProcess:
         self.manager = part.build_transfer(self.runner, advertise_host(cfg.server.host))
         self.io: NodeIO | None = None
         self._waker: RankWaker | None = None
+        self.cores: CoreBoard | None = None
         try:
             backend, self.grammars = build_grammars(cfg.grammar, tokenizer, self.runner.arch.vocab_size)
             # The sampler masks ends before min_new_tokens and, with a backend, what grammars refuse.
@@ -134,8 +136,10 @@ class NodeProcess:
             self.agreement = ONE_RANK if group.size == 1 else RankAgreement.of(self.sync, self.clock)
             if self.grammars is not None:  # TP: a grammar is ready (or failed) on every rank at once
                 self.grammars.agree_min = self.agreement.agree_min_int
+            self.cores = open_board(cfg.cpu.share, role=part.role, threads=cfg.cpu.threads, cores=cfg.cpu.cores(),
+                                    device=str(self.runner.device), tp_size=group.size)
             self.scheduler, self.stats = part.build_scheduler(
-                self.runner, EngineDriver(self.runner, sampler), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
+                self.runner, EngineDriver(self.runner, sampler, self.cores), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
                 self.manager, self.agreement, self.grammars)
             if group.is_first:
                 self.io = NodeIO(endpoints, self.stats, defer_flush=group.size > 1, rank_wakes=group.size > 1)
@@ -149,9 +153,13 @@ class NodeProcess:
         except BaseException:  # deregister the rank, stop the transfer threads, close the data plane
             self.manager.close()
             self._close_part()
+            if self.cores is not None:
+                self.cores.close()
             raise
         mem = self.runner.memory
         self._ready = {"max_total_tokens": mem.allocator.num_total * mem.page_size, **part.ready_info()}
+        if self.cores is not None:
+            self._ready["cpu_share"] = self.cores.as_dict()
         log.info("%s scheduler ready: %d pages x %d tokens, %d request rows, backend %s (%s)", self.role,
                  mem.allocator.num_total, mem.page_size, mem.req_to_token.max_reqs, cfg.transfer.backend,
                  ", ".join(f"{k} {v}" for k, v in self._ready.items()))
@@ -174,6 +182,8 @@ class NodeProcess:
             self._waker.close()
         if self.grammars is not None:
             self.grammars.close()
+        if self.cores is not None:
+            self.cores.close()
         self._close_part()
         self.group.close()
 

@@ -145,8 +145,13 @@ class LocalCluster:
                 and "PDC_CPU_THREADS" not in {**os.environ, **self.env}:
             per_rank = split_threads(sum(prefill_tps) + sum(decode_tps))
 
+        # Nodes given a share of the cores also share them back: a decode step borrows what an idle
+        # prefill lends (common/cpu_share.py); one group per cluster, so two clusters never mix.
+        share = [] if not per_rank or any(a.startswith("--cpu-share") for a in (*prefill_args, *decode_args)) \
+            or "PDC_CPU_SHARE" in {**os.environ, **self.env} else ["--cpu-share", f"cluster-{os.getpid()}-{id(self):x}"]
+
         def own(tp: int) -> list[str]:
-            return ["--tp-size", str(tp), *(["--cpu-threads", str(per_rank * tp)] if per_rank else [])]
+            return ["--tp-size", str(tp), *(["--cpu-threads", str(per_rank * tp)] if per_rank else []), *share]
 
         for i, tp in enumerate(prefill_tps):
             port, bport = free_port(), free_port()

@@ -137,10 +137,16 @@ def openai_request(r: Routed, kind: str, stream: bool, i: int, n: int) -> tuple[
 
 
 def test_openai_client_32_concurrent_match_hf_and_every_node_serves(routed: Routed) -> None:
-    # The launcher divided this host's cores among the four nodes; each reports its budget.
+    # The launcher divided this host's cores among the four nodes, in one core-share group; each
+    # reports its budget, and its place on the group's board.
+    groups = set()
     for n in routed.cluster.nodes:
-        cpu = httpx.get(n.url + "/server_info", timeout=10).json()["cpu"]
-        assert cpu == {"threads": split_threads(4), "bind": None}, (n.name, cpu)
+        info = httpx.get(n.url + "/server_info", timeout=10).json()
+        cpu = info["cpu"]
+        assert cpu["threads"] == split_threads(4) and cpu["bind"] is None and cpu["share"], (n.name, cpu)
+        groups.add(cpu["share"])
+        assert info["cpu_share"]["borrow"] == (n.role == "decode") and info["cpu_share"]["base_threads"] == cpu["threads"]
+    assert len(groups) == 1
     before = routed.counters()
     jobs = [(kind, stream, i) for i in range(8) for kind in ("chat", "completion") for stream in (False, True)]
     n = 6
