@@ -30,6 +30,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
+from common.models.linear import pack_linears, resolve_mode
 from common.models.llama import Attention
 from common.parallel import SINGLE_RANK, TPGroup, rank_device
 
@@ -91,6 +92,13 @@ class ModelRunner:
         self.dtype = getattr(torch, model_cfg.dtype)
         self.attn_backend = create_attention_backend(attention_cfg, device)
         self.model = load_model(model_cfg.model_path, self.dtype, self.device, self.attn_backend, tp)
+        # Packed after loading: the loader and the TP shards fill plain parameters.
+        try:
+            self.cpu_linear = resolve_mode(model_cfg.cpu_linear, self.device, self.dtype)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.cpu_linear == "packed":
+            log.info("packed %d projections for oneDNN", pack_linears(self.model))
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings

@@ -33,6 +33,7 @@ from torch import nn
 from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.models.arch import ModelArchConfig
+from common.models.linear import linear
 from common.models.llama import MLP, Attention, LlamaFamilyForCausalLM, RMSNorm, Targets, empty_param
 from common.models.rope import Rope
 from common.models.sharding import ShardingError
@@ -40,6 +41,7 @@ from common.parallel import SINGLE_RANK, TPGroup
 
 
 class ShortConv(nn.Module):
+    PACKED_LINEARS = ("in_proj", "out_proj")  # common/models/linear.py
     def __init__(self, arch: ModelArchConfig, state_layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         h, k = arch.hidden_size, arch.conv_kernel
@@ -53,7 +55,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert batch.state_pool is not None and batch.state_slots is not None
-        b, c, u = F.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)  # [T, H] each
+        b, c, u = linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)  # [T, H] each
         u = b * u  # [T, H]
         state = batch.state_pool.buffers[self.state_layer]  # [slots, H, K]
         if batch.mode is ForwardMode.DECODE:
@@ -70,7 +72,7 @@ class ShortConv(nn.Module):
                 parts.append(self._conv(window.unsqueeze(0))[0, :, -n:].T)  # [n, H]
                 start += n
             conv = torch.cat(parts)  # [T, H]
-        return F.linear(c * conv, self.out_proj, self.out_bias)  # [T, H]
+        return linear(c * conv, self.out_proj, self.out_bias)  # [T, H]
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """[N, H, K+n] -> [N, H, n+1]: each output sees K consecutive inputs (no padding: the

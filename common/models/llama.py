@@ -33,6 +33,7 @@ from common.attention.base import AttentionBackend, AttentionLayerSpec
 from common.engine.forward_batch import ForwardBatch
 from common.models.arch import ModelArchConfig
 from common.models import ops
+from common.models.linear import linear
 from common.models.rope import Rope, RotaryEmbedding
 from common.models.sharding import ShardTarget, attention_shard, cols, rows, split_size
 from common.parallel import SINGLE_RANK, TPGroup
@@ -48,8 +49,8 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> torch.Tensor:
     """x [T, in/tp] @ weight[out, in/tp].T summed over the ranks, + bias once. [T, out]"""
     if tp.size == 1:
-        return F.linear(x, weight, bias)  # the fused addmm, as before TP existed
-    out = tp.all_reduce(F.linear(x, weight))  # [T, out] partial sums -> full sums on every rank
+        return linear(x, weight, bias)  # the fused addmm, as before TP existed
+    out = tp.all_reduce(linear(x, weight))  # [T, out] partial sums -> full sums on every rank
     return out if bias is None else out + bias
 
 
@@ -70,6 +71,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    PACKED_LINEARS = ("qkv_proj", "o_proj")  # common/models/linear.py
     def __init__(self, arch: ModelArchConfig, layer_id: int, backend: AttentionBackend, dtype: torch.dtype,
                  tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
@@ -97,7 +99,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch) -> torch.Tensor:
         t, d = x.shape[0], self.arch.head_dim
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, d)  # [T, heads, head_dim] (this rank's heads)
         k = k.reshape(t, self.num_kv_heads, d)  # [T, kv_heads, head_dim]
@@ -129,6 +131,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    PACKED_LINEARS = ("gate_up_proj", "down_proj")
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.tp = tp
@@ -140,7 +143,7 @@ class MLP(nn.Module):
         self.down_bias = empty_param(arch.hidden_size, dtype=dtype) if arch.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]: gate | up
+        gate_up = linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]: gate | up
         return row_parallel_linear(ops.silu_mul(gate_up), self.down_proj, self.down_bias, self.tp)  # [T, H]
 
     def checkpoint_targets(self, prefix: str, names: tuple[str, str, str]) -> Targets:

@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=AttentionConfig.cuda_graph_max_bs)
+    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "plain"),
+                   help="CPU projections as a node would run them (common/models/linear.py)")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]
     prefills = [int(n) for n in a.prefill.split(",") if n]
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(NodeConfig(
             role="decode",
-            model=ModelConfig(model_path=a.model_path, device=a.device, dtype=a.dtype),
+            model=ModelConfig(model_path=a.model_path, device=a.device, dtype=a.dtype, cpu_linear=a.cpu_linear),
             cache=CacheConfig(page_size=a.page_size, max_total_tokens=tokens + most * a.page_size,
                               max_running_requests=most, enable_prefix_cache=False),
             attention=AttentionConfig(backend=a.attention_backend if cuda else "torch",

@@ -25,10 +25,11 @@ MAX_NEW = 12
 
 
 def build_engine(model_dir: str, page_size: int, chunk: int, total_tokens: int = 8192,
-                 mirror_mib: int = AttentionConfig.torch_decode_mirror_mib) -> tuple[LocalEngine, ModelRunner]:
+                 mirror_mib: int = AttentionConfig.torch_decode_mirror_mib,
+                 cpu_linear: str = ModelConfig.cpu_linear) -> tuple[LocalEngine, ModelRunner]:
     cfg = resolve(NodeConfig(
         role="prefill",
-        model=ModelConfig(model_path=model_dir, device="cpu", dtype="float32"),
+        model=ModelConfig(model_path=model_dir, device="cpu", dtype="float32", cpu_linear=cpu_linear),
         cache=CacheConfig(page_size=page_size, max_total_tokens=total_tokens, max_running_requests=32),
         attention=AttentionConfig(backend="torch", torch_decode_mirror_mib=mirror_mib),
     ))
@@ -65,13 +66,16 @@ def compare(model_dir: str, prompts: list[list[int]], outputs: list[list[int]]) 
     return ties
 
 
-@pytest.mark.parametrize("page_size,chunk,mirror_mib", [(1, 32, 1024), (16, 48, 1024), (16, 48, 0)])
-def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirror_mib: int) -> None:
+@pytest.mark.parametrize("page_size,chunk,mirror_mib,cpu_linear",
+                         [(1, 32, 1024, "auto"), (16, 48, 1024, "auto"), (16, 48, 0, "auto"), (16, 48, 1024, "plain")])
+def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirror_mib: int, cpu_linear: str) -> None:
     """mirror_mib 0: decode gathers K/V from the pages (the torch backend's path without the
-    decode mirror); otherwise decode reads the mirror."""
+    decode mirror); otherwise decode reads the mirror. cpu_linear: the projections as oneDNN-packed
+    weights (auto, on CPU in float32) or MKL's plain ones."""
     torch.manual_seed(0)
-    engine, runner = build_engine(tiny_model_dir, page_size, chunk, mirror_mib=mirror_mib)
+    engine, runner = build_engine(tiny_model_dir, page_size, chunk, mirror_mib=mirror_mib, cpu_linear=cpu_linear)
     assert (runner.attn_backend.mirror is None) == (mirror_mib == 0)
+    assert runner.cpu_linear == ("plain" if cpu_linear == "plain" else "packed")
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 

@@ -1,0 +1,48 @@
+"""The projections' two layouts (common/models/linear.py): oneDNN-packed weights compute what
+F.linear computes, to float32 rounding, for any row count; the choice follows device and dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.models.linear import linear, pack_linears, resolve_mode
+
+
+class Layer(nn.Module):
+    PACKED_LINEARS = ("proj", "absent")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(48, 32), requires_grad=False)
+        self.absent = None  # an optional projection this layer does not have
+        self.bias = nn.Parameter(torch.randn(48), requires_grad=False)
+        self.norm = nn.Parameter(torch.ones(32), requires_grad=False)  # not a projection: stays
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 257])
+def test_packed_linear_equals_f_linear_for_any_row_count(rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Layer()
+    plain = layer.proj.clone()
+    x = torch.randn(rows, 32)
+    want = torch.nn.functional.linear(x, plain, layer.bias)
+    assert pack_linears(layer) == 1
+    assert layer.proj.is_mkldnn and "proj" not in dict(layer.named_parameters())
+    assert not layer.norm.is_mkldnn and layer.absent is None
+    got = linear(x, layer.proj, layer.bias)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(linear(x[None], layer.proj), want[None] - layer.bias, rtol=1e-5, atol=1e-5)  # [1, T, in]
+    assert torch.allclose(linear(x.t().contiguous().t(), layer.proj, layer.bias), want, rtol=1e-5, atol=1e-5)  # strided
+    assert pack_linears(layer) == 0  # packing twice packs nothing
+
+
+def test_the_mode_follows_device_and_dtype() -> None:
+    assert resolve_mode("auto", "cpu", torch.float32) == "packed"
+    assert resolve_mode("auto", "cpu", torch.bfloat16) == "plain"
+    assert resolve_mode("auto", "cuda:0", torch.float32) == "plain"
+    assert resolve_mode("plain", "cpu", torch.float32) == "plain"
+    with pytest.raises(ValueError, match="--cpu-linear packed"):
+        resolve_mode("packed", "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="--cpu-linear 'fast'"):
+        resolve_mode("fast", "cpu", torch.float32)
