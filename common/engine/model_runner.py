@@ -30,7 +30,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
-from common.models.linear import pack_linears, resolve_mode
+from common.models.linear import AUTO_MIN_ELEMENTS, pack_linears, resolve_mode
 from common.models.llama import Attention
 from common.parallel import SINGLE_RANK, TPGroup, rank_device
 
@@ -97,8 +97,10 @@ class ModelRunner:
             self.cpu_linear = resolve_mode(model_cfg.cpu_linear, self.device, self.dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        if self.cpu_linear == "packed":
-            log.info("packed %d projections for oneDNN", pack_linears(self.model))
+        self.packed_linears = 0 if self.cpu_linear == "plain" else pack_linears(
+            self.model, min_elements=AUTO_MIN_ELEMENTS if self.cpu_linear == "auto" else 0)
+        if self.packed_linears:
+            log.info("packed %d projections for oneDNN (--cpu-linear %s)", self.packed_linears, self.cpu_linear)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings

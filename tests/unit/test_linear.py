@@ -37,8 +37,14 @@ def test_packed_linear_equals_f_linear_for_any_row_count(rows: int) -> None:
     assert pack_linears(layer) == 0  # packing twice packs nothing
 
 
+def test_auto_packs_only_weights_large_enough_to_stream() -> None:
+    layer = Layer()
+    assert pack_linears(layer, min_elements=48 * 32 + 1) == 0 and not layer.proj.is_mkldnn
+    assert pack_linears(layer, min_elements=48 * 32) == 1 and layer.proj.is_mkldnn
+
+
 def test_the_mode_follows_device_and_dtype() -> None:
-    assert resolve_mode("auto", "cpu", torch.float32) == "packed"
+    assert resolve_mode("auto", "cpu", torch.float32) == "auto"  # the large projections only
     assert resolve_mode("auto", "cpu", torch.bfloat16) == "plain"
     assert resolve_mode("auto", "cuda:0", torch.float32) == "plain"
     assert resolve_mode("plain", "cpu", torch.float32) == "plain"
