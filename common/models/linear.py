@@ -30,11 +30,47 @@ from torch import nn
 MODES = ("auto", "packed", "plain")
 
 
+# oneDNN keeps ~0.6-2 MB per row count it has run a packed weight with, for the life of the
+# process (not its primitive cache: capacity 0 changes nothing; malloc_trim returns a fifth), so
+# a prefill node fed every prompt length would grow without bound (measured: +840 MB over row
+# counts 2..1200, +4 GB more on a second pass). The row counts it sees are therefore bounded:
+# up to EXACT_ROWS as they are (decode batches), then padded up to one of four steps per octave,
+# and products over more than CHUNK_ROWS rows run CHUNK_ROWS at a time: 32 + 3 x 4 = 44 row
+# counts, whatever the traffic. Padding wastes under a quarter of the rows at worst.
+EXACT_ROWS = 32
+CHUNK_ROWS = 256
+
+
+def padded_rows(m: int) -> int:
+    """The row count oneDNN runs for ``m`` rows (1 <= m <= CHUNK_ROWS)."""
+    if m <= EXACT_ROWS:
+        return m
+    step = 1 << ((m - 1).bit_length() - 3)  # 8 for 33..64, 16 for 65..128, 32 for 129..256
+    return -(-m // step) * step
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    rows = padded_rows(m)
+    if rows != m:
+        x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])
+    out = _onednn(x, weight, bias)
+    return out if rows == m else out[:m]
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias, whichever layout ``weight`` is in. [..., out]"""
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, "none", [], "")
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if flat.shape[0] <= CHUNK_ROWS:
+        out = _packed(flat, weight, bias)
+    else:
+        out = torch.cat([_packed(flat[i:i + CHUNK_ROWS], weight, bias) for i in range(0, flat.shape[0], CHUNK_ROWS)])
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -52,3 +52,26 @@ def test_the_mode_follows_device_and_dtype() -> None:
         resolve_mode("packed", "cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="--cpu-linear 'fast'"):
         resolve_mode("fast", "cpu", torch.float32)
+
+
+def test_onednn_sees_a_bounded_set_of_row_counts_whatever_the_traffic(monkeypatch) -> None:
+    # oneDNN keeps memory per row count for good: every row count must map onto the same few
+    # shapes, padded by less than a quarter, with the results unchanged.
+    from common.models import linear as mod
+
+    seen: set[int] = set()
+    real = mod._onednn
+
+    def spy(x, weight, bias):
+        seen.add(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(mod, "_onednn", spy)
+    for m in range(1, mod.CHUNK_ROWS + 1):
+        assert m <= mod.padded_rows(m) < m * 1.25 + 1
+    w, b = torch.randn(8, 4), torch.randn(8)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    for m in [*range(1, 700), 1023, 4097]:
+        x = torch.randn(m, 4)
+        assert torch.allclose(linear(x, packed, b), x @ w.T + b, rtol=1e-5, atol=1e-5), m
+    assert len(seen) == 44 and max(seen) == mod.CHUNK_ROWS, sorted(seen)
