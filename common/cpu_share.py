@@ -201,10 +201,17 @@ class CoreBoard:
             self._map = None  # type: ignore[assignment]
 
 
-def open_board(group: str, *, role: str, threads: int, cores: int, device: str, tp_size: int) -> CoreBoard | None:
-    """The node's board, or None where sharing does not apply (no group, a GPU, TP ranks, or a
-    budget that leaves nothing to borrow); a board that cannot be opened is logged, never fatal:
-    the node then runs at its base thread count, as without a group."""
+def open_board(group: str, *, role: str, threads: int, cores: int, device: str, tp_size: int,
+               splits: bool = True) -> CoreBoard | None:
+    """The node's board, or None where sharing does not apply (no group, a GPU, TP ranks); a
+    board that cannot be opened is logged, never fatal: the node then runs at its base thread
+    count, as without a group.
+
+    ``splits``: whether this node's forward gains from more threads. A decode borrows only then;
+    the node passes whether its projections are oneDNN-packed (common/models/linear.py). MKL's
+    few-row products barely split over two threads, and a tiny model's step is all per-op
+    overhead: borrowing for it doubled the tiny model's TPOT (7-8 ms to 13-17 ms, BENCHMARKS).
+    Such a node still claims its threads, so its neighbours see them."""
     if not group:
         return None
     if device != "cpu" or tp_size > 1:
@@ -212,7 +219,7 @@ def open_board(group: str, *, role: str, threads: int, cores: int, device: str, 
         return None
     try:
         board = CoreBoard(board_path(group), role=role, threads=threads, cores=max(cores, threads),
-                          borrow=role == "decode")
+                          borrow=role == "decode" and splits)
     except (CoreShareError, OSError) as exc:
         log.warning("core sharing off: %s", exc)
         return None

@@ -137,7 +137,8 @@ class NodeProcess:
             if self.grammars is not None:  # TP: a grammar is ready (or failed) on every rank at once
                 self.grammars.agree_min = self.agreement.agree_min_int
             self.cores = open_board(cfg.cpu.share, role=part.role, threads=cfg.cpu.threads, cores=cfg.cpu.cores(),
-                                    device=str(self.runner.device), tp_size=group.size)
+                                    device=str(self.runner.device), tp_size=group.size,
+                                    splits=self.runner.packed_linears > 0)
             self.scheduler, self.stats = part.build_scheduler(
                 self.runner, EngineDriver(self.runner, sampler, self.cores), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
                 self.manager, self.agreement, self.grammars)

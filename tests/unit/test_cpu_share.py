@@ -152,10 +152,15 @@ def test_open_board_applies_to_single_rank_cpu_nodes_only(monkeypatch, tmp_path)
     assert open_board("g", device="cuda:0", tp_size=1, **kw) is None
     assert open_board("g", device="cpu", tp_size=2, **kw) is None
     b = open_board("g", device="cpu", tp_size=1, **kw)
+    plain = open_board("g", device="cpu", tp_size=1, splits=False, **kw)  # MKL projections: no borrowing
     try:
         assert b is not None and b.borrow and b.as_dict()["board"] == str(tmp_path / "pdcluster-cpu-g")
+        assert plain is not None and not plain.borrow and plain.plan() == 1
+        with plain.forward():
+            assert b.neighbours_threads() == 1  # it still claims what it runs
     finally:
         b.close()  # type: ignore[union-attr]
+        plain.close()  # type: ignore[union-attr]
     monkeypatch.setenv("PDC_CPU_SHARE_DIR", str(tmp_path / "missing"))
     assert open_board("g", device="cpu", tp_size=1, **kw) is None  # logged; the node runs at its base
 
