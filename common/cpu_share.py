@@ -18,7 +18,8 @@ wrong thread count, nothing else.
 
 The protocol.
 - Every node writes its thread count into its slot for the length of each forward, 0 after.
-- A borrower (the decode role) before each forward takes ``max(base, cores - neighbours' claims)``
+- A borrower (the decode role, when its projections are packed: see ``open_board``) before each
+  forward takes ``max(base, cores - neighbours' claims)``
   threads, ``cores`` being the cores it may run on, and resizes torch's pool when that changes
   (``torch.set_num_threads``: under a microsecond, the pool's threads are kept).
 - A lender (the prefill role) keeps its base count. A prefill forward runs for seconds and a decode
