@@ -151,6 +151,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGHUP)
+        # The probes finish rather than being cancelled mid-connect (see Workers.stop); a probe is
+        # bounded by its timeout, so this wait is too.
+        router.workers.stop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(loops), cfg.health_check_timeout_s + 1.0)
         for task in (loops, kv):
             if task is not None:
                 task.cancel()

@@ -68,6 +68,7 @@ class Workers:
         self._threshold = failure_threshold
         self._on_forget = on_forget
         self.changed = asyncio.Event()  # set when health or membership changes (probes kick in at once)
+        self._stopping = asyncio.Event()  # set by stop(): the loops end after the probes in flight
         for spec in specs:
             self.add(spec)
 
@@ -182,20 +183,31 @@ class Workers:
 
         await asyncio.gather(*(one(w) for w in self.all() if w.healthy))
 
+    def stop(self) -> None:
+        """Ask ``run`` to return: no new probe starts, the ones in flight finish (each bounded by
+        its timeout). Cancelling a probe instead can leave its socket open: a TLS connect cancelled
+        before asyncio started its handshake is never closed (the handshake then runs on its own
+        and the connection outlives the session)."""
+        self._stopping.set()
+        self.changed.set()
+
     async def run(self, session: aiohttp.ClientSession, health_interval_s: float, load_interval_s: float,
                   timeout_s: float) -> None:
-        """The two loops, until cancelled. A membership change probes at once, not a period later."""
+        """The two loops, until ``stop()``. A membership change probes at once, not a period later."""
+
+        async def pause(event: asyncio.Event, seconds: float) -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), seconds)
 
         async def health_loop() -> None:
-            while True:
+            while not self._stopping.is_set():
                 self.changed.clear()
                 await self.check_health(session, timeout_s)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.changed.wait(), health_interval_s)
+                await pause(self.changed, health_interval_s)
 
         async def load_loop() -> None:
-            while True:
+            while not self._stopping.is_set():
                 await self.poll_load(session, timeout_s)
-                await asyncio.sleep(load_interval_s)
+                await pause(self._stopping, load_interval_s)
 
         await asyncio.gather(health_loop(), load_loop())

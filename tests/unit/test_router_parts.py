@@ -222,6 +222,37 @@ def test_workers_leave_on_failures_and_drain_on_removal() -> None:
     assert not d.healthy and ws.candidates("decode") == []
 
 
+def test_stopped_workers_loops_return_after_the_probe_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop() ends run() without cancelling a probe mid-connect (which can leave a TLS socket
+    open): the probe in flight finishes and is counted, and no new one starts."""
+    import asyncio
+
+    import router.workers as rw
+
+    started: list[str] = []
+    finished: list[str] = []
+
+    async def slow_probe(session: object, url: str, secret: object, timeout_s: float) -> str:
+        started.append(url)
+        await asyncio.sleep(0.2)
+        finished.append(url)
+        return "down"
+
+    monkeypatch.setattr(rw, "challenge_probe", slow_probe)
+
+    async def main() -> Workers:
+        ws = Workers((WorkerSpec("http://d:1", "decode"),), 2, lambda url: None)
+        task = asyncio.create_task(ws.run(None, 0.01, 60.0, 1.0))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)  # the first probe is in flight
+        ws.stop()
+        await asyncio.wait_for(task, 2.0)  # returns by itself
+        return ws
+
+    ws = asyncio.run(main())
+    d = ws.get("http://d:1")
+    assert started == finished == ["http://d:1"] and d is not None and d.failures == 1
+
+
 # ---- parsing ---------------------------------------------------------------------------------------
 
 
