@@ -199,6 +199,9 @@ def test_restarted_router_resyncs_from_the_snapshot_and_routes_as_before(kv_clus
                          timeout=10).json()["kv_events"]
         assert info["sealed"] is True and info["endpoint"] == f"tcp://127.0.0.1:{info['port']}"
         assert httpx.get(p.url + "/kv_events/snapshot", timeout=10).status_code == 401  # no request token
+    send(url, turn_text(23, 3))  # something cached, whichever tests ran before this one
+    for p in kv_cluster.prefills:
+        wait_idle(p.url, secret=SECRET)
     nodes = [*kv_cluster.prefills, *kv_cluster.decodes]
     blocks = {n.url: node_metric(n.url, "pdc_scheduler_kv_events_blocks") for n in nodes}
     kv_cluster.kill("router")
@@ -213,9 +216,9 @@ def test_restarted_router_resyncs_from_the_snapshot_and_routes_as_before(kv_clus
     assert index == blocks and sum(blocks.values()) > 0
     assert all(samples(text, "pdc_router_kv_events_total").get(f'verdict="snapshot",worker="{p.url}"', 0) >= 1
                for p in nodes)
-    # The last turn of a conversation again: it goes where its history is, predicted exactly.
+    # The prompt sent above, again: it goes where it is cached, predicted exactly.
     before = RouterCounts.scrape(url)
-    send(url, turn_text(2, 3))
+    send(url, turn_text(23, 3))
     exact, predicted, reported, went = RouterCounts.scrape(url).since(before)
     assert exact == 1 and predicted == reported > 0 and blocks[went] > 0
 
