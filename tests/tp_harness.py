@@ -17,13 +17,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from common.ports import free_port
 MAX_NEW = 12
 
 
@@ -40,12 +40,6 @@ class RankResult:
     k: list[Any]
     v: list[Any]
     outputs: list[list[int]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(target: Any, size: int = 2, timeout_s: float = 120.0) -> tuple[list[Any], list[int | None]]:

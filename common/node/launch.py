@@ -30,7 +30,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -58,6 +57,7 @@ from common.config import (
 from common.cpu_budget import CpuBudgetError, CpuConfig, cpu_config
 from common.http_limits import BYTES_PER_TOKEN, MIN_NODE_BODY_BYTES
 from common.ipc.protocol import IpcEndpoints
+from common.ports import free_port
 from common.server.config import ApiConfig
 
 if TYPE_CHECKING:  # the API process never imports the scheduler's side (torch, the model)
@@ -244,7 +244,7 @@ class SchedulerChild:
                  tp_size: int = 1) -> None:
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA, ZMQ or Mooncake state
         # The ranks meet at rank 0's rendezvous port (torch.distributed); unused at tp = 1.
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if tp_size > 1 else ""
+        init_method = f"tcp://127.0.0.1:{free_port()}" if tp_size > 1 else ""
         self.endpoints = endpoints
         self._recvs: list[Connection] = []
         self._sends: list[Connection] = []
@@ -318,12 +318,6 @@ class SchedulerChild:
         for path in self.endpoints.socket_files():
             with contextlib.suppress(OSError):
                 os.unlink(path)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the launcher's life -------------------------------------------------------------------------

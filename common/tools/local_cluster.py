@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from typing import IO
 from common import envs
 from common.auth import bearer, signed_headers
 from common.cpu_budget import split_threads
+from common.ports import free_port
 
 STOP_GRACE_S = 15.0
 ROUTERS = ("ours", "sglang", "none")
@@ -52,12 +52,6 @@ def _per_node(tp: int | Sequence[int], count: int, what: str) -> list[int]:
     if len(tps) != count or any(t < 1 for t in tps):
         raise ValueError(f"{what}: one TP size >= 1 for each of the {count} nodes, got {tp!r}")
     return tps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str, timeout_s: float = 10, headers: dict[str, str] | None = None) -> dict:

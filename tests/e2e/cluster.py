@@ -22,7 +22,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from common.auth import signed_headers
+from common.ports import free_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NEAR_TIE = 1e-3  # a top-2 logit gap below this is a tie float noise may break either way
@@ -48,12 +48,6 @@ SMALL_POOL = ["--max-total-tokens", "256", "--num-reserved-decode-tokens", "16",
               "--schedule-conservativeness", "0.1"]
 IDLE_TIMEOUT_S = 20.0
 _rooms = itertools.count(random.randrange(1, 2**40))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def next_room() -> int:

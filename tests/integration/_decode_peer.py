@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,18 +26,13 @@ import torch
 from common.kvcache.allocator import PageAllocator
 from common.kvcache.pool import KVLayout, KVPool
 from common.kvcache.state_pool import StateLayout, StatePool
+from common.ports import free_port
 from transfer import AuxPool, AuxRecord, KVArgs, KVManagerConfig, KVPoll, create_data_plane
 from transfer.aux import AUX_TOP_K  # the aux row layout both nodes use
 from transfer.bootstrap import HttpBootstrapClient
 from transfer.decode import DecodeKVManager, DecodeKVReceiver
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pid_alive(pid: int) -> bool:

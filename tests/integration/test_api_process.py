@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 
 from common.ipc.protocol import IpcEndpoints
 from common.ipc.scheduler_client import client_rid
+from common.ports import free_port
 from common.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.integration
@@ -38,12 +38,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 WORDS = [" cache", " node", " page", " the", " token"]
 STARTUP_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

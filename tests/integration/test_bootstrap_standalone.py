@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from common.ports import free_port
 from bootstrap_server.client import bootstrap_url, health, lookup_layout, lookup_rank, register_rank
 from bootstrap_server.schema import DecodeLayout, RankInfo, check_receivable
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def launch(port: int, log: Path) -> subprocess.Popen[bytes]:

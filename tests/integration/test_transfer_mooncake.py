@@ -7,7 +7,6 @@ prefill's pool; failures are produced by SIGKILLing a child.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +17,7 @@ import zmq
 import _transfer_peer
 from _transfer_peer import LAYOUT, PeerSpec
 
+from common.ports import free_port
 from common.tools.pipe_peer import PeerProcess
 
 pytest.importorskip("mooncake.engine")
@@ -46,12 +46,6 @@ def _forkserver() -> Iterator[None]:
 
         forkserver._forkserver._stop()  # type: ignore[attr-defined]  # waits for it to exit
         resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Child(PeerProcess):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from common.ports import free_port
 from bootstrap_server.client import (
     bootstrap_url,
     deregister,
@@ -68,13 +68,6 @@ def call(srv: BootstrapServer, method: str, path: str, body: bytes | None = None
     if resp.getheader("Content-Type", "").startswith("application/json"):
         return resp.status, json.loads(data)
     return resp.status, data.decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_health(server: BootstrapServer) -> None:
