@@ -34,6 +34,7 @@ their nodes one when they divide the cores. Off on CUDA and under tensor paralle
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -124,7 +125,7 @@ class CoreBoard:
             except BlockingIOError:
                 continue  # a live node holds it
             except OSError as exc:
-                if exc.errno in (11, 13):  # EAGAIN / EACCES: held
+                if exc.errno in (errno.EAGAIN, errno.EACCES):  # held by a live process
                     continue
                 raise CoreShareError(f"core board {self.path}: open-file-description locks failed ({exc})") from exc
             return slot
