@@ -14,13 +14,15 @@ Budgets (all must hold after every add):
 * **tokens**: the batch computes at most ``max_prefill_tokens`` tokens. The first request of a
   batch is exempt when chunking is off: a prompt longer than the budget could never run
   otherwise (it is admitted alone).
-* **chunk**: one request computes at most ``chunk_size`` tokens per forward. A request that gets
-  fewer tokens than it has left becomes *the* chunked request and closes the batch, so at most
-  one request is ever part-way through its prompt (it continues first next step)::
+* **chunk**: one request computes at most ``chunk_size`` tokens per forward. A new request that
+  gets fewer tokens than it has left becomes *the* chunked request and closes the batch, so at
+  most one request is ever part-way through its prompt (it continues first next step). While
+  the chunked request goes on, new requests that fit *whole* join its slice: a short prompt
+  (a chat's next turn, mostly cached) then waits one slice, not the whole long prompt::
 
       step 1: [ A (whole) | B (whole) | C[0:k] ]          C is chunked, batch closed
-      step 2: [ C[k:2k] ]                                  still chunked (chunk_size bound)
-      step 3: [ C[2k:] | D (whole) | E[0:j] ]              C done, E is chunked now
+      step 2: [ C[k:2k] | D (whole) ]                      still chunked; only whole prompts join
+      step 3: [ C[2k:] | E (whole) | F[0:j] ]              C done, F is chunked now
 
 * **KV pages**: a new request reserves the pages of its whole prompt at admission, minus the
   pages its cached prefix already provides (so a chunked request can never run out of memory
@@ -78,7 +80,8 @@ class PrefillAdder:
         self.rem_pages = available_pages
         self.num_reqs = 0
         self.batch_tokens = 0
-        self.closed = False  # a request was cut short (or the token budget is spent): add nothing more
+        self.closed = False  # a new request was cut short (or the token budget is spent): add nothing more
+        self.whole_only = False  # the chunked request goes on part-way: only whole prompts may join
 
     def _slice(self, remaining: int) -> int:
         """Tokens a request with ``remaining`` prompt tokens computes in this forward (0: none)."""
@@ -88,11 +91,20 @@ class PrefillAdder:
             return remaining  # chunking off: the first request may exceed the budget, alone
         return remaining if remaining <= self.rem_tokens else 0  # whole or not at all
 
-    def _take(self, remaining: int, n: int) -> int:
+    def _fits(self, remaining: int) -> int:
+        """``_slice``, or 0 where only a whole prompt may join and this one would be cut."""
+        n = self._slice(remaining)
+        return 0 if self.whole_only and n < remaining else n
+
+    def _take(self, remaining: int, n: int, continuing: bool = False) -> int:
         self.num_reqs += 1
         self.batch_tokens += n
         self.rem_tokens -= n
-        if n < remaining or self.rem_tokens <= 0:
+        if n < remaining and continuing:
+            self.whole_only = True
+        elif n < remaining:
+            self.closed = True
+        if self.rem_tokens <= 0:
             self.closed = True
         return n
 
@@ -103,7 +115,7 @@ class PrefillAdder:
             raise ValueError("the chunked request must be added first")
         if remaining < 1:
             raise ValueError(f"chunked request with {remaining} tokens left")
-        return self._take(remaining, self._slice(remaining))
+        return self._take(remaining, self._slice(remaining), continuing=True)
 
     def can_add(self, prompt_len: int, cached_len: int) -> bool:
         """Whether ``add_new`` could accept this request; read-only. A necessary condition only
@@ -112,7 +124,7 @@ class PrefillAdder:
         if self.closed or not 0 <= cached_len < prompt_len:
             return not self.closed
         need = pages_for(prompt_len, self.page_size) - cached_len // self.page_size
-        return self._slice(prompt_len - cached_len) > 0 and need <= self.rem_pages
+        return self._fits(prompt_len - cached_len) > 0 and need <= self.rem_pages
 
     def add_new(self, prompt_len: int, cached_len: int, lock_pages: int = 0) -> int | None:
         """Tokens to compute for a new request this step, or None when it does not fit.
@@ -126,7 +138,7 @@ class PrefillAdder:
         if not 0 <= cached_len < prompt_len or cached_len % self.page_size:
             raise ValueError(f"bad cached prefix {cached_len} for a {prompt_len}-token prompt (page {self.page_size})")
         remaining = prompt_len - cached_len
-        n = self._slice(remaining)
+        n = self._fits(remaining)
         if n <= 0:
             return None
         need = pages_for(prompt_len, self.page_size) - cached_len // self.page_size + lock_pages

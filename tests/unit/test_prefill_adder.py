@@ -36,16 +36,26 @@ def test_chunked_prefill_sequence_keeps_one_partial_request() -> None:
     a = adder(32, 8)
     assert a.add_new(20, 0) == 8
     assert a.closed and a.add_new(3, 0) is None
-    # step 2: it continues first, still bounded by the chunk size
+    # step 2: it continues first, still bounded by the chunk size; a short prompt joins whole,
+    # one that would be cut does not (it would be a second partial request), and stops the adding
     a = adder(32, 8)
     assert a.add_chunked(12) == 8
-    assert a.closed
+    assert not a.closed and a.whole_only
+    assert a.can_add(6, 0) and a.add_new(6, 0) == 6
+    assert not a.can_add(9, 0) and a.add_new(9, 0) is None
+    assert a.batch_tokens == 14
     # step 3: it finishes; new prompts fill the rest, the last one becomes the chunked request
     a = adder(32, 8)
-    assert a.add_chunked(4) == 4 and not a.closed
+    assert a.add_chunked(4) == 4 and not a.closed and not a.whole_only
     assert a.add_new(5, 0) == 5
     assert a.add_new(30, 0) == 8 and a.closed
     assert a.batch_tokens == 17
+
+
+def test_a_continuing_chunk_that_spends_the_budget_closes_the_batch() -> None:
+    a = adder(8, 8)
+    assert a.add_chunked(20) == 8 and a.closed
+    assert a.add_new(1, 0) is None
 
 
 def test_token_budget_cuts_a_chunk_short() -> None:
@@ -153,6 +163,9 @@ def test_every_budget_holds_for_any_sequence(
         assert all(n == left for n, left in slices)  # no chunking: whole prompts
         assert total <= max_tokens or len(slices) == 1
     partial = [i for i, (n, left) in enumerate(slices) if n < left]
-    assert len(partial) <= 1 and (not partial or partial[0] == len(slices) - 1)
+    # at most one partial request: the continuing one (first), or else the last one added
+    continuing = chunked_left is not None and chunk is not None
+    allowed = {len(slices) - 1} | ({0} if continuing else set())
+    assert len(partial) <= 1 and all(i in allowed for i in partial)
     assert used_pages <= pages and a.rem_pages == pages - used_pages
     assert a.batch_tokens == total
