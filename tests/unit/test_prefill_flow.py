@@ -74,6 +74,33 @@ def test_chunked_prefill_sends_each_page_once_in_order(page_size: int, chunk: in
     node.assert_idle()
 
 
+def test_a_short_prompt_joins_the_chunked_requests_slice_and_finishes_first() -> None:
+    """A prompt arriving while a long one is part-way runs in the long one's next slice when it
+    fits whole; the long one stays the chunked request, every page of both is sent once, and a
+    prompt that would have to be cut waits for the long one to finish."""
+    node = Node(page_size=4, chunk=8, max_tokens=16)
+    long, short, big = prompt(24), prompt(5, base=100), prompt(12, base=200)
+    node.step(gen("long", long, room=1), gen("short", short, room=2), gen("big", big, room=3))
+    node.ready(1)
+    node.step()  # long[0:8]; the other two wait for their decodes
+    node.ready(2, 3)
+    node.step()  # long[8:16] + short (whole); big (12 > the chunk of 8) would be cut: it waits
+    rows = {req.rid: req.kv.row for req in (node.sched.queues.chunked, *node.sched.queues.inflight)}  # type: ignore[union-attr]
+    assert node.engine.calls[1] == [(rows["long"], long[8:16], 8, False), (rows["short"], short, 0, True)]
+    assert node.sched.queues.chunked is not None and node.sched.queues.chunked.rid == "long"
+    assert [r.rid for r in node.sched.queues.inflight] == ["short"] and node.sender(2).sent[-1][1]
+    node.step()  # long[16:24] ends; big is new and gets the rest of the token budget: cut to 8
+    assert [c[1] for c in node.engine.calls[2]] == [long[16:24], big[:8]]
+    node.step()
+    assert [c[1] for c in node.engine.calls[3]] == [big[8:]]
+    for room, ids in ((1, long), (2, short), (3, big)):
+        s = node.sender(room)
+        assert len(s.pages) == len(set(s.pages)) == -(-len(ids) // 4) and s.sent[-1][1]
+        s.state = KVPoll.Success
+    node.step()
+    node.assert_idle()
+
+
 def test_second_request_reuses_the_cached_prefix_and_sends_those_pages_too() -> None:
     node = Node(page_size=4)
     a = prompt(12)
