@@ -1,9 +1,13 @@
 """``python -m common.tools.bench_limits``: this machine's limits, measured with torch.
 
 Per thread count (1..the cores this process may use): memory read bandwidth (a sum over a
-float32 buffer far larger than the caches, each byte read once per pass) and matmul peak (a
-square float32 ``torch.mm``; bfloat16 too when the CPU has AVX512-BF16 or AMX, where torch's
-oneDNN path runs it natively). Best of ``--repeat`` timed passes after one warm-up, because the
+float32 buffer far larger than the caches, each byte read once per pass) and matmul peak: a
+square float32 product on each kernel torch has (``torch.mm``, i.e. MKL's sgemm, and oneDNN's
+linear over a prepacked weight, the kernel packed projections run on), the peak being the faster
+of the two; bfloat16 too when the CPU has AVX512-BF16 or AMX, where torch's oneDNN path runs it
+natively. Both kernels count because neither is the machine's peak everywhere: MKL picks its
+AVX2 code on AMD CPUs even where they have AVX-512 (an AMD EPYC with AVX-512: 105 GFLOP/s for
+MKL against 245 for oneDNN, one thread), so dividing by MKL's figure there reads more than 100 %. Best of ``--repeat`` timed passes after one warm-up, because the
 question is what the machine can do, not what a noisy neighbour left. Prints a table; ``--json``
 writes the same numbers for bench / bench_decode_step to divide by (``--limits PATH`` there).
 
@@ -66,10 +70,20 @@ def read_bandwidth(mib: int, repeat: int) -> float:
 
 
 def matmul_peak(n: int, dtype: torch.dtype, repeat: int) -> float:
-    """FLOP/s of one ``n`` x ``n`` by ``n`` x ``n`` matmul (2 n^3 FLOPs)."""
+    """FLOP/s of one ``n`` x ``n`` by ``n`` x ``n`` matmul (2 n^3 FLOPs), ``torch.mm``."""
     a = torch.randn(n, n).to(dtype)  # [n, n]
     b = torch.randn(n, n).to(dtype)  # [n, n]
     return 2 * n**3 / _best_s(lambda: torch.mm(a, b), repeat)
+
+
+def onednn_peak(n: int, repeat: int) -> float | None:
+    """FLOP/s of the same float32 product on oneDNN's linear over a prepacked weight (the
+    engine's packed projections, common/models/linear.py); None where torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    a = torch.randn(n, n)  # [n, n]
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, n))  # [n, n], oneDNN's blocked layout
+    return 2 * n**3 / _best_s(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), repeat)
 
 
 def gpu_limits(device: str, mib: int = 2048, n: int = 8192, repeat: int = 10) -> dict[str, float]:
@@ -112,8 +126,12 @@ def measure(threads: list[int], mib: int, n: int, repeat: int, bf16: bool) -> li
     try:
         for t in threads:
             torch.set_num_threads(t)
-            row = {"threads": t, "read_gbs": read_bandwidth(mib, repeat) / 1e9,
-                   "fp32_gflops": matmul_peak(n, torch.float32, repeat) / 1e9}
+            mkl = matmul_peak(n, torch.float32, repeat) / 1e9
+            onednn = onednn_peak(n, repeat)
+            row = {"threads": t, "read_gbs": read_bandwidth(mib, repeat) / 1e9, "fp32_mm_gflops": mkl}
+            if onednn is not None:
+                row["fp32_onednn_gflops"] = onednn / 1e9
+            row["fp32_gflops"] = max(mkl, row.get("fp32_onednn_gflops", 0.0))  # what --limits readers divide by
             if bf16:
                 row["bf16_gflops"] = matmul_peak(n, torch.bfloat16, repeat) / 1e9
             rows.append(row)
@@ -154,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     isa = cpu_isa()
     bf16 = isa["bf16"]
     rows = measure(threads, ns.mib, ns.n, ns.repeat, bf16)
-    head = f"{'threads':>7} {'read GB/s':>10} {'fp32 GFLOP/s':>13}" + (f" {'bf16 GFLOP/s':>13}" if bf16 else "")
+    head = (f"{'threads':>7} {'read GB/s':>10} {'fp32 GFLOP/s':>13} {'(mm':>8} {'oneDNN)':>8}"
+            + (f" {'bf16 GFLOP/s':>13}" if bf16 else ""))
     print(f"# torch {torch.__version__}, {cores} cores available, bf16 instructions: {'yes' if bf16 else 'no'}, "
           f"int8 (VNNI/AMX): {'yes' if isa['int8'] else 'no'}; flags: {' '.join(f for f in ISA_FLAGS if isa[f]) or 'none'}")
     print(head)
     for r in rows:
-        line = f"{r['threads']:>7} {r['read_gbs']:>10.1f} {r['fp32_gflops']:>13.1f}"
+        onednn = f"{r['fp32_onednn_gflops']:.1f}" if "fp32_onednn_gflops" in r else "-"
+        line = f"{r['threads']:>7} {r['read_gbs']:>10.1f} {r['fp32_gflops']:>13.1f} {r['fp32_mm_gflops']:>8.1f} {onednn:>8}"
         print(line + (f" {r['bf16_gflops']:>13.1f}" if bf16 else ""))
     if ns.json:
         out = {"torch": torch.__version__, "cores": cores, "bf16": bf16, "isa": isa, "mib": ns.mib, "n": ns.n, "rows": rows}
