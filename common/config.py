@@ -38,7 +38,8 @@ class ModelConfig:
     device: str = "auto"  # auto -> cuda if available else cpu
     context_length: int | None = None  # None -> model's max_position_embeddings
     # Projections on CPU: oneDNN-packed weights or MKL's plain ones (common/models/linear.py);
-    # "auto" is resolved by the model runner (it needs torch): packed for float32 on CPU.
+    # "auto" is resolved by the model runner (it needs torch): packed for float32 on CPU. "bf16":
+    # packed in bfloat16, the rest float32 (not HF-exact; for CPUs with bfloat16 instructions).
     cpu_linear: str = "auto"
 
     def validate(self) -> None:
@@ -50,8 +51,8 @@ class ModelConfig:
             raise ConfigError(f"--dtype {self.dtype!r}: expected auto, float32, float16 or bfloat16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device {self.device!r}: expected auto, cpu or cuda[:N]")
-        if self.cpu_linear not in ("auto", "packed", "plain"):
-            raise ConfigError(f"--cpu-linear {self.cpu_linear!r}: expected auto, packed or plain")
+        if self.cpu_linear not in ("auto", "packed", "bf16", "plain"):
+            raise ConfigError(f"--cpu-linear {self.cpu_linear!r}: expected auto, packed, bf16 or plain")
 
     def hf_config(self) -> dict:
         with open(os.path.join(self.model_path, "config.json")) as f:

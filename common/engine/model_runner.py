@@ -98,7 +98,8 @@ class ModelRunner:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.packed_linears = 0 if self.cpu_linear == "plain" else pack_linears(
-            self.model, min_elements=AUTO_MIN_ELEMENTS if self.cpu_linear == "auto" else 0)
+            self.model, min_elements=AUTO_MIN_ELEMENTS if self.cpu_linear == "auto" else 0,
+            dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None)
         if self.packed_linears:
             log.info("packed %d projections for oneDNN (--cpu-linear %s)", self.packed_linears, self.cpu_linear)
         self.arch = self.model.arch
