@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=AttentionConfig.cuda_graph_max_bs)
-    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "plain"),
+    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "bf16", "plain"),
                    help="CPU projections as a node would run them (common/models/linear.py)")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]
@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     peak_gflops = None
     if limit_row is not None:
-        peak_gflops = limit_row["bf16_gflops" if dtype_bytes == 2 and "bf16_gflops" in limit_row else "fp32_gflops"]
+        # bfloat16 products (a bf16 model, or --cpu-linear bf16's projections) against the bf16 peak
+        bf16 = dtype_bytes == 2 or getattr(runner, "cpu_linear", "") == "bf16"
+        peak_gflops = limit_row["bf16_gflops" if bf16 and "bf16_gflops" in limit_row else "fp32_gflops"]
     prefill_rows: list[dict[str, float]] = []
     prefill_shape = roofline.Shape.from_config(runner_config(a.model_path))
     if prefills:
@@ -229,6 +231,7 @@ def decode_rows(runner: ModelRunner, a: argparse.Namespace, batches: list[int], 
         print(f"roofline from {source}: {limit_row['threads']} thread(s), {limit_row['read_gbs']:.1f} GB/s, "
               f"{(peak_gflops or limit_row['fp32_gflops']):.1f} GFLOP/s")
         print("| batch | ms / step | us / token | roofline ms | x roofline |\n| ---: | ---: | ---: | ---: | ---: |")
+    weight_bytes = 2 if getattr(runner, "cpu_linear", "") == "bf16" else None  # bfloat16 projections
     for b in batches:
         ms = step_ms(runner, b, a.context, a.warmup, a.steps, a.seed)
         row: dict[str, float] = {"batch": b, "ms_per_step": ms, "us_per_token": 1000 * ms / b}
@@ -237,7 +240,7 @@ def decode_rows(runner: ModelRunner, a: argparse.Namespace, batches: list[int], 
             ctx = a.context + a.warmup + a.steps // 2  # the mean context of the timed steps
             assert peak_gflops is not None
             roof_ms = 1000 * roofline.roofline_s(roofline.decode_flops(shape, b, ctx),
-                                                 roofline.decode_bytes(shape, b, ctx, dtype_bytes),
+                                                 roofline.decode_bytes(shape, b, ctx, dtype_bytes, weight_bytes),
                                                  peak_gflops * 1e9, limit_row["read_gbs"] * 1e9)
             row.update(roofline_ms=roof_ms, x_roofline=ms / roof_ms)
             line += f" {roof_ms:.3f} | {ms / roof_ms:.2f} |"

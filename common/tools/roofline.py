@@ -61,10 +61,13 @@ def decode_flops(shape: Shape, batch: int, context: int) -> int:
     return linear + attention
 
 
-def decode_bytes(shape: Shape, batch: int, context: int, dtype_bytes: int = 4) -> int:
-    """Bytes one decode step must read: the weights once, each request's K and V over its context."""
+def decode_bytes(shape: Shape, batch: int, context: int, dtype_bytes: int = 4, weight_bytes: int | None = None) -> int:
+    """Bytes one decode step must read: the weights once, each request's K and V over its context.
+    ``weight_bytes``: the layers' projections in another precision than the KV cache and the LM
+    head (``--cpu-linear bf16``: 2 against 4)."""
     kv = batch * shape.layers * 2 * shape.kv_heads * shape.head_dim * context
-    return dtype_bytes * (shape.linear_weights + kv)
+    proj = shape.layers * shape.layer_weights
+    return (dtype_bytes if weight_bytes is None else weight_bytes) * proj + dtype_bytes * (shape.linear_weights - proj + kv)
 
 
 def roofline_s(flops: int, nbytes: int, peak_flops: float, bandwidth: float) -> float:

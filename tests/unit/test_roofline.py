@@ -41,6 +41,8 @@ def test_decode_flops_and_bytes_by_hand() -> None:
     # bytes: weights 184 + kv 2*1*2*1*2*5 = 40, at 4 bytes
     assert decode_bytes(TOY, 2, 5) == 4 * (184 + 40)
     assert decode_bytes(TOY, 2, 5, dtype_bytes=2) == 2 * (184 + 40)
+    # bfloat16 projections (144 per layer), float32 head (40) and KV (40)
+    assert decode_bytes(TOY, 2, 5, weight_bytes=2) == 2 * 144 + 4 * (40 + 40)
 
 
 def test_roofline_takes_the_slower_bound() -> None:
