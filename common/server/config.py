@@ -107,6 +107,9 @@ class ApiConfig:
                 "max_total_tokens": cfg.cache.max_total_tokens,
                 "max_running_requests": cfg.cache.max_running_requests,
                 "chunked_prefill_size": cfg.sched.chunked_prefill_size,
+                # the precision the projections run in: what a benchmark divides by (bench_efficiency)
+                "dtype": cfg.model.dtype,
+                "cpu_linear": cfg.model.cpu_linear,
                 "disaggregation_transfer_backend": cfg.transfer.backend,
                 "cluster_secret_required": cfg.transfer.cluster_secret is not None,
                 # Said in /server_info too: a node open to the network (--insecure) is visible as such.

@@ -249,12 +249,14 @@ def run_prefill_efficiency(a: argparse.Namespace, info: dict, nodes: dict[str, s
     try:
         with open(os.path.join(str(info.get("model_path")), "config.json")) as f:
             shape = Shape.from_config(json.load(f))
-        threads = int(get_json(f"{prefill_url}/server_info")["cpu"]["threads"]) if prefill_url else 0
+        pinfo = get_json(f"{prefill_url}/server_info") if prefill_url else {}
+        threads = int(pinfo["cpu"]["threads"]) if prefill_url else 0
+        bf16 = pinfo.get("cpu_linear") == "bf16" or pinfo.get("dtype") == "bfloat16"
         limits = load(a.limits)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"prefill efficiency: not available ({exc})")
         return None
-    eff = prefill_efficiency(shape, results, {n: c["counter_deltas"] for n, c in cmp.items()}, limits, threads)
+    eff = prefill_efficiency(shape, results, {n: c["counter_deltas"] for n, c in cmp.items()}, limits, threads, bf16)
     if eff is None:
         print("prefill efficiency: not available (no prefill forward time in the nodes' counters)")
     else:

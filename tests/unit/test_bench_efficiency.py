@@ -30,3 +30,12 @@ def test_efficiency_from_flops_forward_seconds_and_peak() -> None:
 
 def test_no_prefill_forward_time_gives_none() -> None:
     assert prefill_efficiency(TOY, [_res(3)], {"decode0": {"forward_seconds_total": 1.0}}, LIMITS, 1) is None
+
+
+def test_a_bfloat16_node_is_held_to_the_bf16_peak_where_measured() -> None:
+    deltas = {"prefill0": {"forward_seconds_total": 1e-6}}
+    with_bf16 = {"rows": [{"threads": 1, "read_gbs": 10.0, "fp32_gflops": 2.0, "bf16_gflops": 8.0}]}
+    eff = prefill_efficiency(TOY, [_res(3)], deltas, with_bf16, 1, bf16=True)
+    assert eff is not None and eff["peak_gflops"] == 8.0 and eff["efficiency"] == pytest.approx(1.04 / 8)
+    assert prefill_efficiency(TOY, [_res(3)], deltas, with_bf16, 1)["peak_gflops"] == 2.0  # type: ignore[index]
+    assert prefill_efficiency(TOY, [_res(3)], deltas, LIMITS, 1, bf16=True)["peak_gflops"] == 2.0  # type: ignore[index]
