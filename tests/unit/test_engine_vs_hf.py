@@ -138,3 +138,17 @@ def test_hybrid_greedy_matches_hf(tiny_lfm2: str, page_size: int, chunk: int, cp
     stats = runner.memory.stats()
     assert stats["free_state_slots"] == stats["total_state_slots"] == stats["total_req_slots"]
     assert stats["free_req_slots"] == stats["total_req_slots"] and stats["used_pages"] == 0, stats
+
+
+def test_greedy_matches_hf_with_long_extends_run_split(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked prefill's later chunks past a cached prefix, run as two flash calls merged by their
+    log-sum-exps (torch_backend.SPLIT_MIN_EXTEND, lowered so 48-token chunks take that path)."""
+    from common.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 16)
+    engine, runner = build_engine(tiny_model_dir, 16, 48)
+    prompts = make_prompts(runner.arch.vocab_size, seed=21)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, [greedy] * len(prompts))
+    runner.memory.check_integrity()
+    compare(tiny_model_dir, prompts, [r.output_ids for r in results])

@@ -110,3 +110,31 @@ def test_grouping_keeps_a_long_chunk_from_padding_short_prompts() -> None:
         padded, real = len(g) * max(seq[i] for i in g), sum(seq[i] for i in g)
         assert padded <= torch_backend.PAD_RATIO * real or padded - real <= torch_backend.PAD_FLOOR
     assert len(groups) < len(seq)  # and short requests still share calls
+
+
+@pytest.mark.parametrize(("prefix", "ext"), [([13], [20]), ([5], [1]), ([40], [9])])
+def test_a_long_extend_after_a_prefix_runs_split_and_equals_the_reference(monkeypatch: pytest.MonkeyPatch,
+                                                                         prefix: list[int], ext: list[int]) -> None:
+    """One request past a cached prefix, the extend at least SPLIT_MIN_EXTEND long: two unmasked
+    flash calls merged by their log-sum-exps give the per-request softmax; shorter ones keep SDPA."""
+    monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 9)
+    batch, q, k, v = make(prefix, ext, seed=5)
+    got = run(batch, q, k, v)
+    (group,) = batch.attn_metadata
+    assert group.split_prefix == (prefix[0] if ext[0] >= 9 else 0)
+    torch.testing.assert_close(got, reference(batch, q), rtol=1e-5, atol=1e-5)
+    if group.split_prefix:  # and it agrees with the masked SDPA it replaces
+        monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 1 << 30)
+        batch, q, k, v = make(prefix, ext, seed=5)
+        masked = run(batch, q, k, v)
+        assert batch.attn_metadata[0].split_prefix == 0
+        torch.testing.assert_close(got, masked, rtol=1e-6, atol=1e-6)
+
+
+def test_split_applies_to_one_request_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 2)
+    monkeypatch.setattr(torch_backend, "PAD_FLOOR", 1 << 30)  # one group of two requests
+    batch, q, k, v = make([6, 3], [10, 8], seed=6)
+    got = run(batch, q, k, v)
+    assert [g.split_prefix for g in batch.attn_metadata] == [0]
+    torch.testing.assert_close(got, reference(batch, q), rtol=1e-5, atol=1e-5)
