@@ -71,7 +71,7 @@ def test_onednn_sees_a_bounded_set_of_row_counts_whatever_the_traffic(monkeypatc
         assert m <= mod.padded_rows(m) < m * 1.25 + 1
     w, b = torch.randn(8, 4), torch.randn(8)
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
-    for m in [*range(1, 700), 1023, 4097]:
+    for m in [*range(1, 700), 1023, 1100, 4097]:
         x = torch.randn(m, 4)
         assert torch.allclose(linear(x, packed, b), x @ w.T + b, rtol=1e-5, atol=1e-5), m
-    assert len(seen) == 44 and max(seen) == mod.CHUNK_ROWS, sorted(seen)
+    assert len(seen) == 48 and max(seen) == mod.CHUNK_ROWS, sorted(seen)
