@@ -212,6 +212,19 @@ def test_cache_aware_sends_a_shared_prefix_to_one_prefill(routed: Routed) -> Non
 # ---- faults -------------------------------------------------------------------------------------
 
 
+def busy_prefill(r: Routed, timeout_s: float = 1.0) -> str:
+    """A prefill node the router has a request in flight on right now (polled for up to
+    ``timeout_s``; prefill0 if none shows one)."""
+    prefills = [n for n in r.cluster.nodes if n.role == "prefill"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = r.workers()
+        for n in prefills:
+            if workers.get(n.url, {}).get("inflight", 0) > 0:
+                return n.name
+    return "prefill0"
+
+
 def router_counter(r: Routed, name: str) -> float:
     """Sum of a router counter over its labels, from its /metrics."""
     text = httpx.get(r.url + "/metrics", timeout=10).text
@@ -235,22 +248,25 @@ def test_prefill_killed_under_load_requests_retry_and_succeed(routed: Routed) ->
     with ThreadPoolExecutor(len(prompts)) as ex:
         futures = [ex.submit(one, i, p) for i, p in enumerate(prompts)]
         time.sleep(0.5)
-        routed.cluster.kill("prefill0", signal.SIGKILL)
+        # The prefill the router has a request on now: on a fast machine a request is in flight for
+        # a few milliseconds, and a fixed victim may have none when it dies (and none picked after).
+        victim = busy_prefill(routed)
+        routed.cluster.kill(victim, signal.SIGKILL)
         results = [f.result() for f in futures]
     for i, ((resp, elapsed), p) in enumerate(zip(results, prompts)):
         assert resp.status_code == 200, (i, resp.status_code, resp.text)
         assert elapsed < REQUEST_TIMEOUT_S, f"request {i} waited {elapsed:.1f} s, past the router's bound"
         check_greedy(routed.model_dir, p, resp.json()["output_ids"], n, f"request {i} after a prefill kill")
     assert router_counter(routed, "pdc_router_retries_total") > retries_before, "no request needed a retry"
-    routed.wait_worker("prefill0", healthy=False)
+    routed.wait_worker(victim, healthy=False)
     routed.wait_idle()  # the survivors hold nothing
-    routed.cluster.restart("prefill0")
-    routed.wait_worker("prefill0", healthy=True)
-    before = routed.counters()["prefill0"].get("prompt_tokens_total", 0)
+    routed.cluster.restart(victim)
+    routed.wait_worker(victim, healthy=True)
+    before = routed.counters()[victim].get("prompt_tokens_total", 0)
     for i in range(12):  # least-loaded with random ties: the restarted node gets some of these
         resp = routed.generate({"input_ids": [3, 4, 5 + i], "sampling_params": {"max_new_tokens": 2, **GEN}})
         assert resp.status_code == 200, resp.text
-    assert routed.counters()["prefill0"]["prompt_tokens_total"] > before, "the restarted prefill got no request"
+    assert routed.counters()[victim]["prompt_tokens_total"] > before, "the restarted prefill got no request"
     routed.wait_idle()
 
 
