@@ -24,7 +24,3 @@ def cpu_isa(cpuinfo: str | None = None) -> dict[str, bool]:
     isa["int8"] = isa["avx512_vnni"] or isa["avx_vnni"] or isa["amx_int8"]
     return isa
 
-
-def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags (Linux); elsewhere, assume not."""
-    return cpu_isa()["bf16"]

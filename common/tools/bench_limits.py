@@ -7,8 +7,9 @@ linear over a prepacked weight, the kernel packed projections run on), the peak 
 of the two; bfloat16 too when the CPU has AVX512-BF16 or AMX, where torch's oneDNN path runs it
 natively. Both kernels count because neither is the machine's peak everywhere: MKL picks its
 AVX2 code on AMD CPUs even where they have AVX-512 (an AMD EPYC with AVX-512: 105 GFLOP/s for
-MKL against 245 for oneDNN, one thread), so dividing by MKL's figure there reads more than 100 %. Best of ``--repeat`` timed passes after one warm-up, because the
-question is what the machine can do, not what a noisy neighbour left. Prints a table; ``--json``
+MKL against 245 for oneDNN, one thread), so dividing by MKL's figure there reads more than
+100 %. Best of ``--repeat`` timed passes after one warm-up, because the question is what the
+machine can do, not what a noisy neighbour left. Prints a table; ``--json``
 writes the same numbers for bench / bench_decode_step to divide by (``--limits PATH`` there).
 
     python -m common.tools.bench_limits [--threads 1,2] [--mib 512] [--n 1024] [--repeat 5]

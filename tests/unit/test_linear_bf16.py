@@ -6,8 +6,9 @@ same prompts, our logits must be no further from HF float32 than HF bfloat16's a
 slack, and not identical: the path must really round), and every greedy token we generate must
 be one HF float32 could have picked within that error (teacher-forced: HF float32's best logit
 minus the logit of our token, given our earlier tokens, at most twice the error bound: a token
-whose logit is off by at most e can only beat one at most 2e above it). A layout bug (a wrong
-transpose, a weight left unpacked or packed twice) breaks both by orders of magnitude.
+whose logit is off by at most e can only beat one at most 2e above it). The first test pins the
+linear itself to the product of the rounded operands; a 3 % error in every projection already
+fails the logits check (tried on the tiny llama).
 
 These run on any CPU with oneDNN: where the CPU lacks AVX512-BF16 / AMX, oneDNN emulates the
 instructions (slower, same rounding), so the numerics are checked on every CI machine.
