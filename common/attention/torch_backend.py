@@ -42,10 +42,12 @@ from common.engine.forward_batch import ForwardBatch, ForwardMode
 # by at most PAD_FLOOR elements (small batches: padding is cheaper than another call).
 PAD_RATIO = 1.5
 PAD_FLOOR = 1 << 12
-# One request extending a cached prefix by at least this many tokens (a long prompt's later chunks)
-# runs as two unmasked flash calls merged by their log-sum-exps (``_split_prefix_attention``):
-# 18-25 % less than SDPA with a mask at 1024-2048 new tokens; no gain below (BENCHMARKS).
-SPLIT_MIN_EXTEND = 1024
+# Causal attention on CPU runs ATTN_BLOCK query rows per flash call (``_blocked_attention``): the
+# block's own keys causally, the keys before it in one unmasked call, merged by their log-sum-exps.
+# SDPA's CPU flash kernel is slowest on long causal squares (64-row blocks: 4.4 against 6.5-6.9 ms
+# a layer for a 512-token prompt on SmolLM2's shape, 44 against 57 ms for 1024 new tokens after
+# 1024 cached; BENCHMARKS), and a mask makes it read every block above the diagonal.
+ATTN_BLOCK = 64
 
 
 @dataclass
@@ -58,7 +60,7 @@ class _Group:
     q_index: torch.Tensor | None  # [G * E] int64 packed-token index of each query row; None: q is already [G*E]
     keep: torch.Tensor | None  # [n] int64 real rows among the G * E; None: all are real
     out_index: torch.Tensor | None  # [n] int64 packed-token index of each kept row; None: the whole batch in order
-    split_prefix: int = 0  # > 0: one request after this many cached tokens, run split (SPLIT_MIN_EXTEND)
+    blocked_prefix: int | None = None  # not None: causal after this many cached keys, in blocks (ATTN_BLOCK)
 
 
 def plan_groups(ext: Sequence[int], seq: Sequence[int]) -> list[list[int]]:
@@ -103,7 +105,9 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
     # No cached prefix anywhere: query j sits at position j, so plain causal attention (which lets
     # SDPA skip the blocks above the diagonal) is the mask; real rows never reach a padded key.
     square = e > 1 and max(pre_l) == 0
-    split = len(members) == 1 and pre_l[0] > 0 and e >= SPLIT_MIN_EXTEND and dev.type == "cpu"
+    # In query blocks (CPU): a causal square (any number of requests: a real row never reaches a
+    # padded key), or one request past its cached prefix; not several with different prefixes.
+    blocked = e > ATTN_BLOCK and dev.type == "cpu" and (square or len(members) == 1)
     rows = batch.req_pool_indices if whole else batch.req_pool_indices[torch.tensor(members, device=dev)]  # [G]
     slots = batch.req_to_token.index_select(0, rows)[:, :s].long()  # [G, S]
     slots = slots.masked_fill_(~valid.to(dev), 0)  # padding reads the reserved page
@@ -114,7 +118,7 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
         q_index=None if (whole and keep is None) else q_rows.to(dev),  # whole and dense: q is already [G*E]
         keep=None if keep is None else keep.to(dev),
         out_index=None if whole else (q_rows if keep is None else q_rows[keep]).to(dev),
-        split_prefix=pre_l[0] if split else 0,
+        blocked_prefix=pre_l[0] if blocked else None,
     )
 
 
@@ -190,8 +194,8 @@ class TorchAttentionBackend(AttentionBackend):
         vals = v_buf.index_select(0, g.slots).view(n, s, hk, d).transpose(1, 2).to(q.dtype)
         qg = q if g.q_index is None else q.index_select(0, g.q_index)  # [G * E, heads, head_dim]
         qg = qg.view(n, e, hq, d).transpose(1, 2)  # [G, heads, E, head_dim]
-        if g.split_prefix and qg.dtype == torch.float32:
-            out = _split_prefix_attention(qg, keys, vals, layer, g.split_prefix)
+        if g.blocked_prefix is not None and qg.dtype == torch.float32:
+            out = _blocked_attention(qg, keys, vals, layer, g.blocked_prefix)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qg, keys, vals, attn_mask=g.mask, is_causal=g.mask is None, scale=layer.scaling,
@@ -219,23 +223,30 @@ def _one_query_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor
     return torch.matmul(torch.softmax(scores, dim=-1), vals).view(b, layer.num_heads, 1, d)
 
 
-def _split_prefix_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, layer: AttentionLayerSpec,
-                            prefix: int) -> torch.Tensor:
-    """One request's E new queries over its ``prefix`` cached keys and its E new ones, without a
-    mask. [1, heads, E, head_dim]
+def _blocked_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, layer: AttentionLayerSpec,
+                       prefix: int) -> torch.Tensor:
+    """Causal attention of E new queries after ``prefix`` cached keys, ATTN_BLOCK queries at a
+    time, without a mask. [G, heads, E, head_dim]
 
-    Every new query sees the whole prefix and, causally, the new keys up to its own. So: one flash
-    call over the prefix (no mask), one over the new keys (``is_causal``, square), each returning
-    its softmax's log-sum-exp, and the two partial results weighted by ``exp(lse - max)``: the
-    same softmax over all keys, up to float32 rounding. SDPA with an explicit mask computes the
-    same thing but reads the mask and cannot skip the blocks above the diagonal.
-    q: [1, heads, E, head_dim]; keys/vals: [1, kv_heads, prefix + E, head_dim]."""
-    hq, hk = layer.num_heads, layer.num_kv_heads
-    if hq != hk:  # the CPU flash op takes equal head counts
-        keys, vals = keys.repeat_interleave(hq // hk, 1), vals.repeat_interleave(hq // hk, 1)
+    The queries of block [s, e) see every key before the block and, causally, the block's own.
+    So: one flash call over the earlier keys (no mask), one over the block's keys (``is_causal``,
+    square), each returning its softmax's log-sum-exp, and the two partial results weighted by
+    ``exp(lse - max)``: the softmax over all the keys, up to float32 rounding. In a padded group
+    (no prefixes, uneven lengths) a real query's keys all lie before it, so it never reads padding.
+    q: [G, heads, E, head_dim]; keys/vals: [G, kv_heads, prefix + E, head_dim]; the CPU flash op
+    takes the fewer KV heads as they are (GQA)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out_p, lse_p = flash(q, keys[:, :, :prefix], vals[:, :, :prefix], 0.0, False, scale=layer.scaling)[:2]
-    out_n, lse_n = flash(q, keys[:, :, prefix:], vals[:, :, prefix:], 0.0, True, scale=layer.scaling)[:2]
-    top = torch.maximum(lse_p, lse_n)  # [1, heads, E]
-    w_p, w_n = torch.exp(lse_p - top).unsqueeze(-1), torch.exp(lse_n - top).unsqueeze(-1)  # [1, heads, E, 1]
-    return (out_p * w_p + out_n * w_n) / (w_p + w_n)
+    e_total, scale = q.shape[2], layer.scaling
+    out = torch.empty_like(q)
+    for s in range(0, e_total, ATTN_BLOCK):
+        e, k0 = min(e_total, s + ATTN_BLOCK), prefix + s  # this block's queries; keys before it
+        qb = q[:, :, s:e]
+        out_b, lse_b = flash(qb, keys[:, :, k0:prefix + e], vals[:, :, k0:prefix + e], 0.0, True, scale=scale)[:2]
+        if k0 == 0:
+            out[:, :, s:e] = out_b
+            continue
+        out_p, lse_p = flash(qb, keys[:, :, :k0], vals[:, :, :k0], 0.0, False, scale=scale)[:2]
+        top = torch.maximum(lse_p, lse_b)  # [G, heads, rows]
+        w_p, w_b = torch.exp(lse_p - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)  # [G, heads, rows, 1]
+        torch.div(out_p * w_p + out_b * w_b, w_p + w_b, out=out[:, :, s:e])
+    return out

@@ -140,12 +140,14 @@ def test_hybrid_greedy_matches_hf(tiny_lfm2: str, page_size: int, chunk: int, cp
     assert stats["free_req_slots"] == stats["total_req_slots"] and stats["used_pages"] == 0, stats
 
 
-def test_greedy_matches_hf_with_long_extends_run_split(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunked prefill's later chunks past a cached prefix, run as two flash calls merged by their
-    log-sum-exps (torch_backend.SPLIT_MIN_EXTEND, lowered so 48-token chunks take that path)."""
+def test_greedy_matches_hf_with_attention_in_small_query_blocks(tiny_model_dir: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts and chunked prefill's later chunks past a cached prefix, their causal attention run
+    in query blocks merged by log-sum-exps (torch_backend.ATTN_BLOCK, lowered to 5 so every
+    prompt takes that path, with short last blocks)."""
     from common.attention import torch_backend
 
-    monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 16)
+    monkeypatch.setattr(torch_backend, "ATTN_BLOCK", 5)
     engine, runner = build_engine(tiny_model_dir, 16, 48)
     prompts = make_prompts(runner.arch.vocab_size, seed=21)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

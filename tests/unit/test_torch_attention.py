@@ -112,29 +112,28 @@ def test_grouping_keeps_a_long_chunk_from_padding_short_prompts() -> None:
     assert len(groups) < len(seq)  # and short requests still share calls
 
 
-@pytest.mark.parametrize(("prefix", "ext"), [([13], [20]), ([5], [1]), ([40], [9])])
-def test_a_long_extend_after_a_prefix_runs_split_and_equals_the_reference(monkeypatch: pytest.MonkeyPatch,
-                                                                         prefix: list[int], ext: list[int]) -> None:
-    """One request past a cached prefix, the extend at least SPLIT_MIN_EXTEND long: two unmasked
-    flash calls merged by their log-sum-exps give the per-request softmax; shorter ones keep SDPA."""
-    monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 9)
+@pytest.mark.parametrize(("prefix", "ext", "blocked"), [
+    ([13], [20], True),  # one request past its prefix, 5 blocks of 4 queries
+    ([40], [9], True),  # the last block short
+    ([5], [1], False),  # one new token: a single query needs no blocks
+    ([0, 0, 0], [9, 2, 5], True),  # a padded causal square: several requests, nothing cached
+    ([0], [4], False),  # one block's worth: plain causal
+    ([6, 3], [10, 8], False),  # several requests with prefixes: the masked SDPA
+])
+def test_blocked_causal_attention_equals_the_reference_and_the_sdpa_it_replaces(
+        monkeypatch: pytest.MonkeyPatch, prefix: list[int], ext: list[int], blocked: bool) -> None:
+    """Causal attention ATTN_BLOCK queries at a time (the block's keys causally, earlier keys in
+    one unmasked call, merged by log-sum-exps) gives the per-request softmax, and agrees with the
+    single SDPA call it replaces."""
+    monkeypatch.setattr(torch_backend, "ATTN_BLOCK", 4)
+    monkeypatch.setattr(torch_backend, "PAD_FLOOR", 1 << 30)  # several requests: one group
     batch, q, k, v = make(prefix, ext, seed=5)
     got = run(batch, q, k, v)
     (group,) = batch.attn_metadata
-    assert group.split_prefix == (prefix[0] if ext[0] >= 9 else 0)
+    assert group.blocked_prefix == (prefix[0] if blocked else None)
     torch.testing.assert_close(got, reference(batch, q), rtol=1e-5, atol=1e-5)
-    if group.split_prefix:  # and it agrees with the masked SDPA it replaces
-        monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 1 << 30)
-        batch, q, k, v = make(prefix, ext, seed=5)
-        masked = run(batch, q, k, v)
-        assert batch.attn_metadata[0].split_prefix == 0
-        torch.testing.assert_close(got, masked, rtol=1e-6, atol=1e-6)
-
-
-def test_split_applies_to_one_request_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_backend, "SPLIT_MIN_EXTEND", 2)
-    monkeypatch.setattr(torch_backend, "PAD_FLOOR", 1 << 30)  # one group of two requests
-    batch, q, k, v = make([6, 3], [10, 8], seed=6)
-    got = run(batch, q, k, v)
-    assert [g.split_prefix for g in batch.attn_metadata] == [0]
-    torch.testing.assert_close(got, reference(batch, q), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(torch_backend, "ATTN_BLOCK", 1 << 30)
+    batch, q, k, v = make(prefix, ext, seed=5)
+    whole = run(batch, q, k, v)
+    assert batch.attn_metadata[0].blocked_prefix is None
+    torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
