@@ -12,6 +12,8 @@ queue (``DecodeQueues``) once::
     waiting ──prebuilt batch: joins running without a forward (max_running_requests bounds it)
         v
     running ──decode step: one token per request, stop checked──> finished: pages freed
+        (a step whose transfers streamed first tokens sends them before any forward; the
+        forward is the next step's)
         │  the pool cannot give every request its next page
         v
     retracted: pages freed, tokens kept ──resume, before any new room──> recompute prompt + output
@@ -89,6 +91,7 @@ class DecodeScheduler:
         self.counters = DecodeCounters()
         self.outbox: list[ReqOutput] = []  # this step's outputs, handed out by step()
         self._first_token: list[DecodeReq] = []  # KV landed this step: first token goes out with it
+        self._deferred = False  # the last step skipped its forward to stream first tokens at once
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -105,7 +108,14 @@ class DecodeScheduler:
         self._resume_retracted()  # retracted first: they go before any new room
         self._poll_prealloc()
         self._merge_waiting()
-        self._decode()
+        # A streamed first token leaves before this step's forward, not after it: the forward
+        # would add a whole decode step to its time to first token. The loop turns at once (the
+        # batch is runnable) and the next step runs the forward, never deferred twice in a row.
+        if self._deferred or not any(r.stream for r in self._first_token):
+            self._decode()
+            self._deferred = False
+        else:
+            self._deferred = True
         now = time.time()
         for r in self._first_token:  # their first token leaves with this step's outputs
             r.clock.lap("first_token", now)

@@ -298,6 +298,40 @@ def test_first_token_can_finish_without_any_decode_step() -> None:
     rig.assert_clean()
 
 
+def test_a_streamed_first_token_leaves_before_the_forward_not_after_it() -> None:
+    """The step whose transfer poll finds a streamed request's KV sends its first token and runs
+    no forward (which would add a decode step to its TTFT); the next step decodes it with the
+    rest. A non-streamed arrival defers nothing, and a stream of arrivals never starves the batch."""
+    rig = Rig(max_running=16)
+    rig.add("a", prompt_of(1, 5), 40, room=1, stream=True)
+    while not rig.outputs.get("a"):
+        rig.step()
+    rig.step()
+    assert rig.engine.decode_batches and rig.engine.decode_batches[-1] == 1  # a is decoding alone
+    for rid, room, stream in (("b", 2, True), ("c", 3, False)):
+        rig.add(rid, prompt_of(room, 5), 5, room=room, stream=stream)
+        while True:
+            forwards, seen_a = len(rig.engine.decode_batches), len(rig.outputs["a"])
+            rig.step()
+            if len(rig.engine.decode_batches) == forwards or rig.engine.decode_batches[-1] > 1:
+                break  # b: a step without a forward; c: the first forward that holds it
+        if stream:
+            assert len(rig.outputs["b"]) == 1 and len(rig.outputs["a"]) == seen_a  # b's first token, no step for a
+            rig.step()
+            assert rig.engine.decode_batches[-1] == 2 and len(rig.outputs["a"]) == seen_a + 1
+        else:
+            assert "c" not in rig.outputs  # not streamed: nothing to send early, the forward ran
+    forwards = len(rig.engine.decode_batches)
+    for i in range(10):  # an arrival every step: every other step still runs the forward
+        rig.add(f"s{i}", prompt_of(10 + i, 5), 3, room=10 + i, stream=True)
+        rig.step()
+    assert len(rig.engine.decode_batches) - forwards >= 4
+    rig.run()
+    for rid, room, n in [("a", 1, 40), ("b", 2, 5), ("c", 3, 5)] + [(f"s{i}", 10 + i, 3) for i in range(10)]:
+        assert rig.tokens(rid) == reference(prompt_of(room, 5), n), rid
+    rig.assert_clean()
+
+
 def test_eos_mid_stream_stops_with_matched_token() -> None:
     prompt = prompt_of(6, 5)
     ref = reference(prompt, 6)
