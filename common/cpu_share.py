@@ -23,9 +23,14 @@ The protocol.
   threads, ``cores`` being the cores it may run on, and resizes torch's pool when that changes
   (``torch.set_num_threads``: under a microsecond, the pool's threads are kept).
 - A lender (the prefill role) keeps its base count. A prefill forward runs for seconds and a decode
-  step for tens of milliseconds: only the short step adapts, so when a prefill starts during a
-  borrowed step the two overlap for at most the rest of that step; had the prefill borrowed, a
-  decode arriving during its forward would be stuck beside it for the whole forward.
+  step for tens of milliseconds: only the short step adapts; had the prefill borrowed, a decode
+  arriving during its forward would be stuck beside it for the whole forward.
+- A lender about to start a forward while a neighbour holds more threads than the cores leave it
+  (a borrowed step in flight) writes its claim, then waits for that step to end (at most
+  LENDER_WAIT_S): the borrower's next step sees the claim and runs at its base. Starting at once
+  would put two OpenMP teams on one core for the rest of the borrowed step, whose threads then
+  wait at every barrier for the descheduled one: on SmolLM2's shape under Poisson arrivals that
+  overlap took the decode's TPOT p99 from 94 to 142 ms (BENCHMARKS, "borrowing without overlap").
 Two borrowers (2 decodes on one host) each see the other's claim while their steps overlap and
 fall back to their base; steps that do not overlap each get every core.
 
@@ -48,6 +53,10 @@ from contextlib import contextmanager
 log = logging.getLogger(__name__)
 
 SLOTS = 64
+# A lender waits this long at most for a borrowed step to end (a decode step is 2-50 ms; a long
+# recompute with borrowed threads is not waited out), polling every LENDER_POLL_S.
+LENDER_WAIT_S = 0.1
+LENDER_POLL_S = 0.0005
 _INTS = 4  # per slot: claim, pid, role, reserved
 _SLOT_BYTES = _INTS * 4
 _CLAIM, _PID, _ROLE = 0, 1, 2
@@ -89,6 +98,7 @@ class CoreBoard:
         self._set_threads = set_threads
         self._current = threads  # what the pool holds now (apply_scheduler_budget set the base)
         self.borrowed_steps = 0  # forwards run with more threads than the base
+        self.waits, self.wait_seconds = 0, 0.0  # a lender's waits for a borrowed step to end
         self.forwards: dict[int, list[float]] = {}  # thread count -> [forwards, seconds]
         size = SLOTS * _SLOT_BYTES
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -164,6 +174,8 @@ class CoreBoard:
             self.borrowed_steps += 1
         claim = self.slot * _INTS + _CLAIM
         self._ints[claim] = n
+        if not self.borrow:
+            self._wait_for_borrowed_step(n)
         t0 = time.perf_counter()
         try:
             yield n
@@ -173,12 +185,27 @@ class CoreBoard:
             tally[0] += 1
             tally[1] += time.perf_counter() - t0
 
+    def _wait_for_borrowed_step(self, n: int) -> None:
+        """A lender, its claim written: wait (bounded) until the neighbours' threads and ours fit
+        the cores, i.e. a borrowed step in flight has ended (module docstring)."""
+        if self.neighbours_threads() + n <= self.cores:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + LENDER_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(LENDER_POLL_S)
+            if self.neighbours_threads() + n <= self.cores:
+                break
+        self.waits += 1
+        self.wait_seconds += time.monotonic() - t0
+
     def as_dict(self) -> dict:
         return {"board": self.path, "slot": self.slot, "base_threads": self.threads, "cores": self.cores,
                 "borrow": self.borrow}
 
     def summary(self) -> str:
-        return ", ".join(f"{n} thread(s): {int(c)} forwards, {sec:.1f} s" for n, (c, sec) in sorted(self.forwards.items()))
+        text = ", ".join(f"{n} thread(s): {int(c)} forwards, {sec:.1f} s" for n, (c, sec) in sorted(self.forwards.items()))
+        return text + (f"; waited {self.waits} times for a borrowed step, {self.wait_seconds:.2f} s" if self.waits else "")
 
     def close(self) -> None:
         if self._closed:

@@ -48,6 +48,53 @@ def test_a_decode_step_borrows_the_cores_an_idle_prefill_lends(path: str) -> Non
         prefill.close()
 
 
+def test_a_prefill_waits_for_a_borrowed_step_to_end_before_its_forward(path: str, monkeypatch) -> None:
+    """A prefill starting while the decode runs a borrowed step (both cores) claims its core, waits
+    for the step to end (no two teams on one core), and the decode's next step sees the claim and
+    runs at its base. The wait is bounded: a step that never ends does not hold the prefill."""
+    import threading
+    import time
+
+    import common.cpu_share as cpu_share
+
+    decode, prefill = board(path, "decode"), board(path, "prefill")
+    order: list[str] = []
+    try:
+        with decode.forward() as n:
+            assert n == 2
+            started = threading.Event()
+
+            def run_prefill() -> None:
+                started.set()
+                with prefill.forward() as m:
+                    order.append(f"prefill {m}")
+                    with decode.forward() as k:  # the decode's next step, during the prefill's forward
+                        order.append(f"decode {k}")
+
+            t = threading.Thread(target=run_prefill)
+            t.start()
+            started.wait(5)
+            time.sleep(0.03)
+            assert decode.neighbours_threads() == 1  # the claim is written before the wait
+            order.append("decode step ends")
+        t.join(5)
+        assert order == ["decode step ends", "prefill 1", "decode 1"]
+        assert prefill.waits == 1 and 0.02 < prefill.wait_seconds < cpu_share.LENDER_WAIT_S + 0.05
+        monkeypatch.setattr(cpu_share, "LENDER_WAIT_S", 0.05)
+        with decode.forward() as n:  # a step that outlasts the bound
+            assert n == 2
+            t0 = time.monotonic()
+            with prefill.forward() as m:
+                assert m == 1 and time.monotonic() - t0 < 1.0
+        assert prefill.waits == 2
+        with prefill.forward():  # nobody borrowing: no wait at all
+            pass
+        assert prefill.waits == 2
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_a_prefill_keeps_its_base_even_when_the_decode_is_idle(path: str) -> None:
     calls: list[int] = []
     decode, prefill = board(path, "decode"), board(path, "prefill", calls, threads=2, cores=4)
