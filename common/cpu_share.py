@@ -30,7 +30,8 @@ The protocol.
   LENDER_WAIT_S): the borrower's next step sees the claim and runs at its base. Starting at once
   would put two OpenMP teams on one core for the rest of the borrowed step, whose threads then
   wait at every barrier for the descheduled one: on SmolLM2's shape under Poisson arrivals that
-  overlap took the decode's TPOT p99 from 94 to 142 ms (BENCHMARKS, "borrowing without overlap").
+  overlap took the decode's TPOT p99 to 116-142 ms, against 51-103 ms without it (BENCHMARKS,
+  "Borrowing without overlap").
 Two borrowers (2 decodes on one host) each see the other's claim while their steps overlap and
 fall back to their base; steps that do not overlap each get every core.
 
