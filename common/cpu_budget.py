@@ -114,8 +114,11 @@ def cpu_config(threads: int | None, bind: str | None, share: str | None = None) 
 
 
 def apply_scheduler_budget(cfg: CpuConfig) -> None:
-    """In the scheduler process, before the model loads: pin, then size torch's pools."""
+    """In the scheduler process, before the model loads: pin, size torch's pools, and keep the
+    memory forwards free mapped (common/host_malloc.py)."""
     import torch
+
+    from common import host_malloc
 
     if cfg.bind:
         os.sched_setaffinity(0, cfg.bind)
@@ -126,6 +129,9 @@ def apply_scheduler_budget(cfg: CpuConfig) -> None:
         pass
     log.info("scheduler CPU budget: %d torch threads%s", torch.get_num_threads(),
              f", pinned to cores {format_cpu_list(cfg.bind)}" if cfg.bind else "")
+    malloc = host_malloc.tune()
+    if malloc is not None:
+        log.info("malloc: %s", ", ".join(f"{k} {v >> 20} MiB" for k, v in malloc.items()))
     warn_if_colocated(cfg.threads)
 
 

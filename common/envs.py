@@ -47,6 +47,7 @@ MOONCAKE_PROTOCOL = EnvVar("PDC_MOONCAKE_PROTOCOL", "auto", "mooncake protocol: 
 CPU_THREADS = EnvVar("PDC_CPU_THREADS", 0, "torch threads of a node's scheduler process (0: the cores it may use); --cpu-threads wins")
 CPU_BIND = EnvVar("PDC_CPU_BIND", "", "cores to pin a node's scheduler process to, e.g. 0-3 (empty: no pinning); --cpu-bind wins")
 CPU_SHARE = EnvVar("PDC_CPU_SHARE", "", "core-share group of co-located nodes: a decode step borrows the cores its idle neighbours lend (empty: off); --cpu-share wins")
+MALLOC_TUNING = EnvVar("PDC_MALLOC_TUNING", True, "scheduler processes keep freed activation memory mapped (glibc mallopt; 0: glibc's defaults)")
 CPU_SHARE_DIR = EnvVar("PDC_CPU_SHARE_DIR", "", "directory of the core-share boards (empty: /dev/shm, else /tmp)")
 MOONCAKE_DEVICE = EnvVar("PDC_MOONCAKE_DEVICE", "", "RDMA device names for mooncake (empty: auto)")
 CLUSTER_SECRET = EnvVar("PDC_CLUSTER_SECRET", "", "shared secret of nodes, registry and router (empty: off); --cluster-secret[-file] wins")

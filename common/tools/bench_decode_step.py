@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from common import host_malloc
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, NodeConfig, resolve
 from common.engine.driver import EngineDriver, SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_decode_step: batch sizes, --context, --steps and --cpu-threads must be >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(a.cpu_threads)
+    host_malloc.tune()  # as a node's scheduler process does
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         print(f"bench_decode_step: --device {a.device}, but torch sees no CUDA device", file=sys.stderr)

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from common import host_malloc
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, NodeConfig, resolve
 from common.engine.model_runner import ExtendChunk, ModelRunner, page_digests
 from common.models import ModelLoadError
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kv_digest: --tokens, --repeat and --cpu-threads must be >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(a.cpu_threads)
+    host_malloc.tune()  # as a node's scheduler process does
     try:
         cfg = resolve(NodeConfig(role="prefill", model=ModelConfig(model_path=a.model_path, device="cpu"),
                                  cache=CacheConfig(page_size=PAGE_SIZE, max_total_tokens=2 * a.tokens + 4 * PAGE_SIZE,
