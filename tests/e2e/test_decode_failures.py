@@ -88,7 +88,10 @@ def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> N
         seen.append(len(ev.get("output_ids", [])))
         return len(seen) < 3
 
-    prefill, events, status = cluster.pd_stream("/generate", gen_body([40, 41, 42], 150), on_event=stop_after_three)
+    # 2000 tokens (the tiny model's context is 2048): a stream that outlives the disconnect by
+    # seconds even on a fast, idle box. 150 sometimes ran to its end on a loaded CI box before
+    # the closed connection was noticed, and nothing was aborted.
+    prefill, events, status = cluster.pd_stream("/generate", gen_body([40, 41, 42], 2000), on_event=stop_after_three)
     assert status == 200 and prefill.status_code == 200 and len(events) == 3
     t0 = time.monotonic()
     wait_idle(cluster.decode.url)
