@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -67,9 +67,20 @@ class Routed:
     model: str  # served model name, from the router's /v1/models
     model_dir: str
     tok: Tokenizer
+    _client: "openai.OpenAI | None" = field(default=None, repr=False)
 
     def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S + 15)
+        """One client for the module (thread-safe), closed with the fixture: clients left to the
+        garbage collector let their sockets be finalized first, a ResourceWarning (an error here)
+        in whichever test happens to run then."""
+        if self._client is None:
+            self._client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                                         timeout=REQUEST_TIMEOUT_S + 15)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
     def generate(self, body: dict, url: str | None = None) -> httpx.Response:
         return httpx.post(f"{url or self.url}/generate", json=body, timeout=REQUEST_TIMEOUT_S + 15)
@@ -106,7 +117,11 @@ def routed(tiny_model_factory: Callable[..., str], tmp_path_factory: pytest.Temp
                             router_args=ROUTER_ARGS, startup_timeout_s=180)
         assert url is not None
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        yield Routed(cluster, url, model, model_dir, Tokenizer(model_dir))
+        routed = Routed(cluster, url, model, model_dir, Tokenizer(model_dir))
+        try:
+            yield routed
+        finally:
+            routed.close()
     except BaseException:
         print(cluster.log_tails(60))
         raise

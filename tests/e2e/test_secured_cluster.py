@@ -82,18 +82,19 @@ def test_a_client_with_the_key_is_served_exactly_and_strangers_are_refused(secur
     r = httpx.post(s.url + "/generate", json=body, headers=s.cluster.headers(), timeout=TIMEOUT_S)
     assert r.status_code == 200, r.text
     check_greedy(s.model_dir, prompt, r.json()["output_ids"], 8, "generate with both secrets")
-    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
-    model = client.models.list().data[0].id
-    msgs = [{"role": "user", "content": "who may reach the decode node?"}]
-    for stream in (False, True):
-        resp = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, stream=stream, temperature=0,
-                                              extra_body={"ignore_eos": True})
-        text = ("".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream
-                else resp.choices[0].message.content)
-        check_greedy_text(s.model_dir, s.tok.decode, list(s.tok.apply_chat_template(msgs, add_generation_prompt=True)),
-                          text or "", 6, f"openai chat stream={stream}")
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong-key-0123456789abcdef", max_retries=0).models.list()
+    with openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S) as client:
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "who may reach the decode node?"}]
+        for stream in (False, True):
+            resp = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, stream=stream,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+            text = ("".join(c.choices[0].delta.content or "" for c in resp if c.choices) if stream
+                    else resp.choices[0].message.content)
+            check_greedy_text(s.model_dir, s.tok.decode, list(s.tok.apply_chat_template(msgs, add_generation_prompt=True)),
+                              text or "", 6, f"openai chat stream={stream}")
+    with openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong-key-0123456789abcdef", max_retries=0) as wrong, \
+            pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
 
     # Refused at the nodes without the cluster secret, open with it.
     bootstrap = f"http://127.0.0.1:{s.cluster.prefills[0].bootstrap_port}"

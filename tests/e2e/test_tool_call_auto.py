@@ -57,26 +57,26 @@ def test_auto_tool_call_from_the_model_is_parsed_streamed_and_not(scripted_route
     model_dir = tiny_model_factory("qwen3", script=TOOL_CALL_SCRIPT)  # the cluster's checkpoint (built once)
     want = reference_calls(model_dir)
     assert want == [("get_time", {"tz": "CET"})]  # the scripted model does write one call
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    model = client.models.list().data[0].id
-    body: dict[str, Any] = {"model": model, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 64, "temperature": 0}
-    whole = client.chat.completions.create(**body)
-    fragments = []
-    with client.chat.completions.stream(**body) as stream:
-        for event in stream:
-            if event.type == "tool_calls.function.arguments.delta":
-                fragments.append(event.arguments_delta)
-        streamed = stream.get_final_completion()
-    for resp in (whole, streamed):
-        choice = resp.choices[0]
-        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
-        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
-        assert got == want, (got, want)
-    assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []] == \
-        [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
-    # How many fragments arrive depends on how the stream coalesces tokens (timing); the fragments
-    # themselves must add up to the call (tests/unit/test_tools.py checks one per token).
-    assert fragments and "".join(fragments) == whole.choices[0].message.tool_calls[0].function.arguments
-    for n in cluster.nodes:
-        wait_idle(n.url)
-    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        model = client.models.list().data[0].id
+        body: dict[str, Any] = {"model": model, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 64, "temperature": 0}
+        whole = client.chat.completions.create(**body)
+        fragments = []
+        with client.chat.completions.stream(**body) as stream:
+            for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    fragments.append(event.arguments_delta)
+            streamed = stream.get_final_completion()
+        for resp in (whole, streamed):
+            choice = resp.choices[0]
+            assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+            assert got == want, (got, want)
+        assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls or []] == \
+            [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []]
+        # How many fragments arrive depends on how the stream coalesces tokens (timing); the fragments
+        # themselves must add up to the call (tests/unit/test_tools.py checks one per token).
+        assert fragments and "".join(fragments) == whole.choices[0].message.tool_calls[0].function.arguments
+        for n in cluster.nodes:
+            wait_idle(n.url)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
