@@ -21,8 +21,9 @@ prefill of 2048 tokens 3.85-3.89 s against 4.40-4.60 s, of 512 tokens 631-652 ms
 644-679 ms; decode steps unchanged (their blocks are small).
 
 Cost: the process keeps its largest forward's activations mapped between forwards (tens of MB
-for a 2048-token chunk of a small model), as jemalloc or tcmalloc would. Not glibc (musl, or an
-allocator preloaded with ``LD_PRELOAD``): nothing is set. ``PDC_MALLOC_TUNING=0`` turns it off.
+for a 2048-token chunk of a small model), as jemalloc or tcmalloc would. Not glibc (musl): nothing
+is set; under an allocator preloaded with ``LD_PRELOAD`` glibc's settings are made and have no
+effect. ``PDC_MALLOC_TUNING=0`` turns it off.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _glibc() -> ctypes.CDLL | None:
 
 def tune(enabled: bool | None = None) -> dict[str, int] | None:
     """Apply the settings above (``enabled`` None: unless ``PDC_MALLOC_TUNING=0``); what was set,
-    or None where nothing was (off, not glibc, refused). The scheduler process calls it through
+    or None: off, not glibc, or a setting refused (then logged; one refused after the other was
+    set leaves that one alone in force, which glibc's limits on these values never cause). The scheduler process calls it through
     ``common.cpu_budget.apply_scheduler_budget``; the bench tools that time forwards call it too,
     so they measure what a node runs."""
     if enabled is None:
