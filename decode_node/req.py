@@ -63,7 +63,10 @@ class DecodeReq:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     sent: int = 0  # output tokens already sent to the API process
     cached_tokens: int = 0  # prompt tokens the prefill served from its prefix cache
-    reused_tokens: int = 0  # prompt tokens this node's own prefix cache served (set when the KV arrived)
+    # Prompt tokens this node's own prefix cache served: set when a room's KV arrived, or when a
+    # local request's prompt was computed here (then ``cached_tokens`` is the same hit).
+    reused_tokens: int = 0
+    computed_tokens: int = 0  # a local request: prompt tokens computed here, past the cached prefix
     finish: FinishReason | None = None
     error: str | None = None
     http_status: int | None = None
@@ -182,7 +185,8 @@ class DecodeReq:
             rid=self.rid, new_token_ids=self.out[new], new_logprobs=self.logprobs[new] if lp else None,
             new_top_logprobs=self.top_logprobs[new] if lp and self.params.top_logprobs_num else None,
             finish=self.finish, prompt_tokens=len(self.prompt), completion_tokens=len(self.out),
-            cached_tokens=self.cached_tokens, decode_reused_tokens=self.reused_tokens if self.room is not None else None,
+            cached_tokens=self.cached_tokens, decode_reused_tokens=self.reused_tokens,
+            decode_computed_tokens=self.computed_tokens if self.room is None else None,
             error=self.error, http_status=self.http_status, timeline=timeline)
 
 
@@ -197,6 +201,9 @@ class DecodeCounters:
     transferred_tokens: int = 0
     reused_tokens: int = 0
     transferred_pages: int = 0  # pages the prefill wrote (a partly filled last one counts whole)
+    # Prompt tokens of local requests (no room) computed on this node, past their cached prefix
+    # (their cached prefix counts in reused_tokens): pdc_decode_local_prefill_tokens_total.
+    local_prefill_tokens: int = 0
     retractions: int = 0
     finished: int = 0
     failed: int = 0

@@ -278,7 +278,11 @@ class DecodeScheduler:
             if not self.budget.can_resume(r.holder(), self.memory.available_pages(), others, self.ratio.value,
                                           alone=not (q.running or q.waiting)):
                 return
-            kv = self.memory.admit((), use_cache=False)
+            # With the prefix cache on, the longest cached prefix is locked and only the rest is
+            # computed: a resumed request finds its own pages if they were not evicted meanwhile,
+            # and a local request (routed here because this node holds its conversation, router
+            # --decode-local-prefill-tokens) computes only its new suffix.
+            kv = self.memory.admit(ids, use_cache=self.memory.cache.enabled)
             if kv is None:
                 return
             if not self.memory.reserve(kv, len(ids)):
@@ -286,10 +290,16 @@ class DecodeScheduler:
                 return
             q.retracted.popleft()
             r.kv = kv
-            first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step)
+            reused = kv.num_cached
+            if r.room is None and not r.out:  # a local request's prompt: what it reused and computed
+                r.cached_tokens = r.reused_tokens = reused
+                r.computed_tokens = len(ids) - reused
+                self.counters.reused_tokens += reused
+                self.counters.local_prefill_tokens += len(ids) - reused
+            first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step, start=reused)
             if self.memory.cache.enabled:  # digests of the full pages, checked before the cache serves them
-                self.memory.written(kv, 0, len(ids), final=False)
-            budget_left -= len(ids)
+                self.memory.written(kv, reused, len(ids), final=False)
+            budget_left -= len(ids) - reused
             if first is not None:
                 self._append(r, first.token_id, first.logprob, first.top_logprobs)
             self._to_running_or_finish(r)
@@ -493,13 +503,14 @@ class DecodeScheduler:
         self.queues.check_integrity(self.memory, self.aux)
 
 
-def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int) -> SampledToken | None:
-    """Write the KV of ``ids`` into ``r``'s row, ``chunk`` tokens per forward (a resumed request's
-    recompute); a request with no output yet samples its first token from the last chunk."""
-    assert r.kv is not None
+def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int, start: int = 0) -> SampledToken | None:
+    """Write the KV of ``ids[start:]`` into ``r``'s row (the first ``start`` tokens' KV is there:
+    a cached prefix), ``chunk`` tokens per forward (a resumed request's recompute); a request with
+    no output yet samples its first token from the last chunk."""
+    assert r.kv is not None and 0 <= start < len(ids)
     chunk = max(chunk, 1)
     sampled: SampledToken | None = None
-    for start in range(0, len(ids), chunk):
+    for start in range(start, len(ids), chunk):
         end = min(start + chunk, len(ids))
         first = end == len(ids) and not r.out
         spec = SampleSpec(r.params, r.out, r.prompt, r.grammar.matcher if r.grammar else None) if first else None

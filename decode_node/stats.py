@@ -94,10 +94,11 @@ class DecodeStats:
             "gen_throughput": self.throughput.rate(),
             "new_token_ratio": s.ratio.value,
             **{f"{k}_total": float(v) for k, v in asdict(s.counters).items()
-               if k not in ("transferred_tokens", "reused_tokens", "transferred_pages")},
+               if k not in ("transferred_tokens", "reused_tokens", "transferred_pages", "local_prefill_tokens")},
             # Role-named counters (common.server.metrics writes a "pdc_" key as it is).
             "pdc_decode_transferred_tokens_total": float(s.counters.transferred_tokens),
             "pdc_decode_reused_tokens_total": float(s.counters.reused_tokens),
+            "pdc_decode_local_prefill_tokens_total": float(s.counters.local_prefill_tokens),
             "pdc_decode_transferred_bytes_total": float(s.counters.transferred_pages * self.page_nbytes),
             "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
             **(s.grammars.metrics() if s.grammars is not None else {}),

@@ -68,6 +68,9 @@ class Router:
             logging.getLogger("router").warning("--tokenizer-path is used only by the cache-aware policies; "
                                                 "the policies are %s (prefill) and %s (decode)",
                                                 cfg.prefill_policy, cfg.decode_policy)
+        if cfg.decode_local_prefill_tokens and "decode" not in exact:
+            logging.getLogger("router").warning("--decode-local-prefill-tokens needs --decode-policy cache-aware "
+                                                "and --tokenizer-path: no request will go to a decode alone")
         self.tokenizer = PromptTokenizer(cfg.tokenizer_path) if exact and cfg.tokenizer_path else None
         self.kv_index = KVIndex() if exact else None
         self.policies = {role: make_policy(name, cfg.cache, self.kv_index if role in exact else None, role)
@@ -83,7 +86,8 @@ class Router:
                 self.workers, self.kv_index, session, cfg.cluster_secret, cfg.kv_events_stale_s,
                 lambda url, verdict: self.metrics.kv_events.labels(url, verdict).inc(), roles=exact)
         self.forwarder = Forwarder(self.workers, self.policies, self.rooms, session,
-                                   ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s),
+                                   ForwardConfig(cfg.request_timeout_s, cfg.max_retries, cfg.retry_budget_s,
+                                                 cfg.decode_local_prefill_tokens),
                                    self.metrics)
         self.models: tuple[float, Any] | None = None  # (when fetched, body)
         self.body_limits = BodyLimits(cfg.max_payload_size, cfg.body_timeout_s)

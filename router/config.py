@@ -83,6 +83,9 @@ class RouterConfig:
     # and the nodes' KV events (router/kv_subscriber.py); without, on the character tree.
     tokenizer_path: str | None = None
     kv_events_stale_s: float = 3.0  # a KV-event subscription silent this long is lost (heartbeats: 1 s)
+    # With exact cache-aware decode routing: a request whose chosen decode would have at most this
+    # many prompt tokens to compute past its cached prefix goes to that decode alone (0: never).
+    decode_local_prefill_tokens: int = 0
 
 
     def worker_allowed(self, url: str) -> bool:
@@ -204,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "it routed)")
     ap.add_argument("--kv-events-stale-s", type=float, default=3.0, help="a node's KV-event subscription "
                     "silent this long is lost; that node is routed by load until resynced (default: %(default)s)")
+    ap.add_argument("--decode-local-prefill-tokens", type=int, default=0, metavar="N",
+                    help="with --decode-policy cache-aware and --tokenizer-path: a single-sequence request whose "
+                         "chosen decode holds all but at most N of its prompt's tokens in its prefix cache (a "
+                         "conversation's next turn) goes to that decode alone, which computes the rest itself: no "
+                         "prefill, no KV transfer. Its running streams wait for those N tokens' forward "
+                         "(default: %(default)s, off)")
     return ap
 
 
@@ -229,8 +238,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     for flag, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
-    if ns.max_retries < 0 or ns.balance_abs_threshold < 0:
-        raise ConfigError("--max-retries and --balance-abs-threshold must be >= 0")
+    if ns.max_retries < 0 or ns.balance_abs_threshold < 0 or ns.decode_local_prefill_tokens < 0:
+        raise ConfigError("--max-retries, --balance-abs-threshold and --decode-local-prefill-tokens must be >= 0")
     if not 0.0 <= ns.cache_threshold <= 1.0:
         raise ConfigError(f"--cache-threshold must be in [0, 1], got {ns.cache_threshold}")
     if not 0 <= ns.port < 65536:
@@ -272,7 +281,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         worker_ssl_ca_certs=ns.worker_ssl_ca_certs, worker_ssl_certfile=ns.worker_ssl_certfile,
         worker_ssl_keyfile=ns.worker_ssl_keyfile,
         max_payload_size=ns.max_payload_size, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
-        max_n=ns.max_n, tokenizer_path=tokenizer_path, kv_events_stale_s=ns.kv_events_stale_s)
+        max_n=ns.max_n, tokenizer_path=tokenizer_path, kv_events_stale_s=ns.kv_events_stale_s,
+        decode_local_prefill_tokens=ns.decode_local_prefill_tokens)
 
 
 def parse_config(argv: list[str]) -> RouterConfig:

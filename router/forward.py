@@ -1,7 +1,9 @@
 """One client request through the cluster: pick a pair, send both legs, answer, retry.
 
     for each try (at most 1 + max_retries, none started after retry_budget_s):
-      pick P (prefill policy) and D (decode policy) among healthy workers   none: 503
+      pick D (decode policy) and P (prefill policy) among healthy workers   none: 503
+        a first try whose D holds all but a few of the prompt's tokens (--decode-local-prefill-tokens,
+        exact cache-aware decode pick): no P, no room; D alone gets the body and computes the rest
       reserve rooms (one per sequence)            released when the try ends, on every path
       POST P and D at once: the same body + bootstrap_host/port/room; P is asked for JSON
       wait for the answers' status (D's status line, which a streaming node sends only with its
@@ -30,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from router.metrics import RouterMetrics, stream_tokens
+from common.pd_contract import BOOTSTRAP_FIELDS
 from router.parse import RequestInfo, RouterError, bootstrap_fields
 from router.policies import Policy
 from router.prompt_key import RouteKey
@@ -76,6 +79,7 @@ class ForwardConfig:
     request_timeout_s: float
     max_retries: int
     retry_budget_s: float
+    decode_local_prefill_tokens: int = 0  # router/config.py
 
 
 class Forwarder:
@@ -108,7 +112,9 @@ class Forwarder:
             try:
                 # The decode gets the prompt key too: with --decode-policy cache-aware a conversation's
                 # next turn goes where its last one did, whose decode prefix cache may hold it.
-                p, d = self._pick("prefill", route, avoid), self._pick("decode", route, avoid)
+                d = self._pick("decode", route, avoid)
+                p = None if attempt == 0 and self._local(endpoint, body, info, key, d) else \
+                    self._pick("prefill", route, avoid)
             except RouterError as exc:
                 if failure is None:
                     return self._finish(endpoint, t0, error_response(exc.status, exc.message), "no_worker")
@@ -119,10 +125,14 @@ class Forwarder:
             # pick on, before anything awaits: a burst's requests are all picked before any of
             # their legs runs, and each pick must see the ones before it (else the whole burst
             # looks at idle workers and lands on one).
-            release_prefill, prefill_computed = self._hold_prefill(p, key)
+            release_prefill, prefill_computed = self._hold_prefill(p, key) if p is not None else (_nothing, _nothing)
+            rooms = self._rooms.hold(info.sequences) if p is not None else contextlib.nullcontext(None)
             try:
-                with self._workers.busy(d), self._rooms.hold(info.sequences) as room:
-                    self._policies["prefill"].on_routed(p, route)
+                with self._workers.busy(d), rooms as room:
+                    if p is not None:
+                        self._policies["prefill"].on_routed(p, route)
+                    else:
+                        self._metrics.decode_local.labels(endpoint).inc()
                     self._policies["decode"].on_routed(d, route)
                     result = await self._try(request, endpoint, leg_body, info, p, d, room, marks, deadline,
                                              release_prefill, key, prefill_computed=prefill_computed)
@@ -131,7 +141,8 @@ class Forwarder:
             if not isinstance(result, Failure):
                 return result
             failure = result
-            log.info("try %d of %s via %s + %s failed: %s", attempt + 1, endpoint, p.url, d.url, failure.reason)
+            log.info("try %d of %s via %s + %s failed: %s", attempt + 1, endpoint, p.url if p else "(no prefill)", d.url,
+                     failure.reason)
             if failure.response is not None:
                 return self._finish(endpoint, t0, failure.response, failure.kind)
             if not failure.retryable:
@@ -140,6 +151,21 @@ class Forwarder:
         assert failure is not None
         return self._finish(endpoint, t0, error_response(502, f"the request failed on every try: {failure.reason}"),
                             "exhausted")
+
+    def _local(self, endpoint: str, body: dict, info: RequestInfo, key: RouteKey | None, d: Worker) -> bool:
+        """Whether ``d`` should compute this prompt alone: it holds all but at most
+        ``decode_local_prefill_tokens`` of its tokens (the exact decode pick's prediction, so its
+        KV events are in sync). That is a conversation's next turn on the decode that ran its last
+        one: without the prefill's queue, forward and transfer its first token comes after one
+        short extend there. One sequence only (a room pairs each of several), and no prompt
+        logprobs (the prefill computes those)."""
+        limit = self._cfg.decode_local_prefill_tokens
+        if not limit or key is None or key.tokens is None or info.sequences != 1:
+            return False
+        if endpoint == "generate" and body.get("return_logprob"):
+            return False
+        hit = key.decode_predicted.get(d.url)
+        return hit is not None and len(key.tokens) - hit <= limit
 
     def _pick(self, role: str, key: RouteKey | str | None, avoid: set[str]) -> Worker:
         candidates = self._workers.candidates(role)
@@ -173,24 +199,32 @@ class Forwarder:
 
     # ---- one try -------------------------------------------------------------------------------
 
-    async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker, d: Worker,
-                   room: int, marks: Marks, deadline: float, release_prefill: Callable[[], None],
+    async def _try(self, request: web.Request, endpoint: str, body: dict, info: RequestInfo, p: Worker | None,
+                   d: Worker, room: int | None, marks: Marks, deadline: float, release_prefill: Callable[[], None],
                    key: RouteKey | None = None, *,
                    prefill_computed: Callable[[], None]) -> web.StreamResponse | Failure:
+        """One try on ``p`` + ``d``, or on ``d`` alone (``p`` None: a local request, no room)."""
         t0 = marks.arrival
-        boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
-        pbody = {**body, **boot, "stream": False}
-        pbody.pop("stream_options", None)
-        dbody = {**body, **boot}
         path = PATHS[endpoint]
+        prefill: asyncio.Task | None = None
+        if p is None:  # no bootstrap fields: the decode computes the prompt itself
+            dbody = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
+        else:
+            assert room is not None
+            boot = bootstrap_fields(info, p.host, p.bootstrap_port, room)
+            pbody = {**body, **boot, "stream": False}
+            pbody.pop("stream_options", None)
+            dbody = {**body, **boot}
         marks.sent = time.monotonic()
-        prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline, release_prefill, endpoint, info, key))
+        if p is not None:
+            prefill = asyncio.create_task(self._prefill(p, path, pbody, deadline, release_prefill, endpoint, info, key))
         decode = asyncio.create_task(self._open(d, path, dbody))
+        legs = [t for t in (prefill, decode) if t is not None]
         d_resp: aiohttp.ClientResponse | None = None
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    pending: set[asyncio.Task] = {prefill, decode}
+                    pending: set[asyncio.Task] = set(legs)
                     p_answer: dict | list | None = None
                     # A stream commits on the decode's 200 alone: its status line comes with its
                     # first output, which needs the KV, so the prefill's part is done by then.
@@ -233,13 +267,14 @@ class Forwarder:
                                     lambda last: self._decode_reported(d, info, key, endpoint, last))
             # The prefill answers about when the first token exists; wait for it (bounded by its
             # deadline) so its in-flight count and the rooms are released only once it is done.
-            await asyncio.gather(prefill, return_exceptions=True)
+            if prefill is not None:
+                await asyncio.gather(prefill, return_exceptions=True)
             return resp
         finally:
-            for task in (prefill, decode):
+            for task in legs:
                 if not task.done():
                     task.cancel()
-            await asyncio.gather(prefill, decode, return_exceptions=True)
+            await asyncio.gather(*legs, return_exceptions=True)
             if decode.done() and not decode.cancelled() and isinstance(decode.result(), aiohttp.ClientResponse):
                 decode.result().close()  # not read to its end (a failure, a disconnect): drop the connection
 
@@ -335,8 +370,9 @@ class Forwarder:
         assert isinstance(judged, Failure)
         return judged
 
-    async def _pipe(self, request: web.Request, endpoint: str, p: Worker, d: Worker, d_resp: aiohttp.ClientResponse,
-                    marks: Marks, prefill: asyncio.Task, deadline: float, sequences: int,
+    async def _pipe(self, request: web.Request, endpoint: str, p: Worker | None, d: Worker,
+                    d_resp: aiohttp.ClientResponse, marks: Marks, prefill: asyncio.Task | None, deadline: float,
+                    sequences: int,
                     on_last: Callable[[dict], None]) -> web.StreamResponse:
         """Pass the decode's SSE stream on, frame by frame, as it arrives. Committed: a failure
         from here on reaches the client as an SSE error event, then [DONE]. ``on_last`` gets the
@@ -359,7 +395,8 @@ class Forwarder:
                         continue
                     frames = bytes(buf[:end + 2])
                     del buf[:end + 2]
-                    p_answer = prefill.result() if prefill.done() and not prefill.cancelled() else None
+                    p_answer = prefill.result() if prefill is not None and prefill.done() and not prefill.cancelled() \
+                        else None
                     frames = rewrite_frames(frames, marks, p_answer, observe)
                     await _write_to_client(resp, frames)
                     t_last = time.monotonic()
@@ -367,7 +404,7 @@ class Forwarder:
                     tail = frames if frames != DONE else tail
                     if first:
                         self._metrics.ttft.labels(endpoint).observe(t_last - t0)
-                        self._metrics.recent.first_token((p.url, d.url), t_last - t0)
+                        self._metrics.recent.first_token((p.url, d.url) if p is not None else (d.url,), t_last - t0)
                         t_first, first = t_last, False
                     finished = frames.endswith(DONE)
             if not finished:
@@ -399,6 +436,10 @@ class Forwarder:
             await resp.write_eof()
         self._finish(endpoint, t0, resp)
         return resp
+
+
+def _nothing() -> None:
+    """The prefill hold of a try without a prefill."""
 
 
 class ClientGone(Exception):

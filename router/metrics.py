@@ -28,6 +28,8 @@ With ``--tokenizer-path`` (exact cache-aware routing, router/kv_index.py; the de
                                                       answer: exact, over, under (the prediction)
     pdc_router_kv_decode_reported_tokens_total        the decode_reused_tokens those answers reported
     pdc_router_kv_index_{blocks,synced}{worker}       the index per worker (prefill or decode), read at scrape
+    pdc_router_decode_local_total{endpoint}           requests sent to a decode alone, which computed the
+                                                      rest of their prompt (--decode-local-prefill-tokens)
 
 ``RecentLatency`` keeps the last minute of streamed requests' TTFT and TPOT per worker for the
 live page (router/dashboard.py); Prometheus users get the same from the histograms.
@@ -195,6 +197,8 @@ class RouterMetrics:
                                            "(tokens) of single-sequence requests a decode took", registry=r)
         self.kv_decode_predictions = Counter("pdc_router_kv_decode_predictions", "predicted vs reported decode "
                                              "prefix hits (decode_reused_tokens), per request", ["outcome"], registry=r)
+        self.decode_local = Counter("pdc_router_decode_local", "requests sent to a decode alone (it computed "
+                                    "the rest of the prompt past its cached prefix)", ["endpoint"], registry=r)
         self.kv_decode_reported = Counter("pdc_router_kv_decode_reported_tokens", "decode_reused_tokens the decodes "
                                           "reported for the same requests", registry=r)
 

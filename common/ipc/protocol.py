@@ -59,7 +59,9 @@ Contract for scheduler authors
     running totals. ``cached_tokens`` is the prefill's prefix-cache hit (a decode relays the one
     its room's aux row carries); ``decode_reused_tokens`` is set only by a decode node, on a
     disaggregated request: the prompt tokens its own prefix cache held, whose KV was therefore not
-    transferred (``decode_prefix_len``; 0 until the KV arrived). A request that failed (transfer failure, scheduler-side rejection) finishes
+    transferred (``decode_prefix_len``; 0 until the KV arrived); on a local request (no room: the
+    router sent it to the decode alone, its conversation being cached there) it is the cached
+    prefix and ``decode_computed_tokens`` the prompt tokens the decode computed itself. A request that failed (transfer failure, scheduler-side rejection) finishes
     with ``FinishReason(type="abort", message=reason)`` plus ``error`` (a sentence naming the
     cause and the room/rid) and ``http_status`` (503 for a peer that is gone or timed out, 500
     for an internal fault, 400 for a request the scheduler cannot take); the API turns it into
@@ -133,7 +135,8 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    decode_reused_tokens: int | None = None  # None: not a decode's disaggregated request
+    decode_reused_tokens: int | None = None  # None: not a decode's answer
+    decode_computed_tokens: int | None = None  # a decode's local request: prompt tokens it computed
     error: str | None = None
     http_status: int | None = None
     timeline: StageTimes | None = None  # on a successful final output: the scheduler's stages

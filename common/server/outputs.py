@@ -29,7 +29,8 @@ class SubState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # the prefill's prefix-cache hit
-    decode_reused_tokens: int | None = None  # a decode's own prefix-cache hit; None: not a decode's PD request
+    decode_reused_tokens: int | None = None  # a decode's own prefix-cache hit; None: not a decode's answer
+    decode_computed_tokens: int | None = None  # prompt tokens a decode computed itself (a local request)
     error: str | None = None
     http_status: int | None = None
     # how many of output_ids / logprobs a stream has already sent (OpenAI streams send deltas)
@@ -57,6 +58,8 @@ class SubState:
         self.cached_tokens = out.cached_tokens
         if out.decode_reused_tokens is not None:
             self.decode_reused_tokens = out.decode_reused_tokens
+        if out.decode_computed_tokens is not None:
+            self.decode_computed_tokens = out.decode_computed_tokens
         delta = self.detok.add(out.new_token_ids, out.finish)
         if out.timeline is not None:
             self.times = out.timeline
@@ -86,8 +89,10 @@ class SubState:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
         }
-        if self.decode_reused_tokens is not None:  # only on a decode node's answer to a disaggregated request
+        if self.decode_reused_tokens is not None:  # only on a decode node's answer
             meta["decode_reused_tokens"] = self.decode_reused_tokens
+        if self.decode_computed_tokens is not None:  # a local request: no KV was transferred
+            meta["decode_computed_tokens"] = self.decode_computed_tokens
         if self.sub.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tid, _piece(tok, tid) if return_text_in_logprobs else None]

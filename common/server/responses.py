@@ -35,7 +35,8 @@ _piece = token_piece
 def usage(req: ParsedRequest, states: list[SubState]) -> dict:
     """Prompt tokens count once per prompt, not once per sample (OpenAI's n semantics).
     ``prompt_tokens_details.cached_tokens`` is the prefill's prefix-cache hit; a decode node adds
-    ``decode_reused_tokens`` beside it (its own cache's hit: KV that was not transferred)."""
+    ``decode_reused_tokens`` beside it (its own cache's hit: KV that was not transferred), and on a
+    local request ``decode_computed_tokens`` (the prompt tokens it computed itself)."""
     return _usage([s for s in states if s.sub.index % req.n == 0], states)
 
 
@@ -47,6 +48,9 @@ def _usage(prompts: list[SubState], samples: list[SubState]) -> dict:
     reused = [s.decode_reused_tokens for s in prompts if s.decode_reused_tokens is not None]
     if reused:
         details["decode_reused_tokens"] = sum(reused)
+    computed = [s.decode_computed_tokens for s in prompts if s.decode_computed_tokens is not None]
+    if computed:
+        details["decode_computed_tokens"] = sum(computed)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

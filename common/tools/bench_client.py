@@ -86,9 +86,11 @@ class RequestResult:
     # What the answer says of its prompt, where the server reports it (ours: the native
     # meta_info or the usage's prompt_tokens_details): tokens the prefill served from its prefix
     # cache, and tokens the decode served from its own (the rest of the prompt's KV crossed the
-    # wire). None when the server does not say.
+    # wire, unless the decode computed them itself: a local request). None when the server does
+    # not say.
     cached_tokens: int | None = None
     decode_reused_tokens: int | None = None
+    decode_computed_tokens: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -117,6 +119,7 @@ class StreamTimer:
         self.output_ids: list[int] = []  # the cumulative ids of the latest native event
         self.cached_tokens: int | None = None
         self.decode_reused_tokens: int | None = None
+        self.decode_computed_tokens: int | None = None
         self._last: float | None = None
 
     def on_event(self, now: float, event: dict) -> None:
@@ -154,7 +157,7 @@ class StreamTimer:
             self.stages_ms = {str(k): float(v) for k, v in timeline["stages_ms"].items()}
 
     def _prompt_reuse(self, fields: dict) -> None:
-        for name in ("cached_tokens", "decode_reused_tokens"):
+        for name in ("cached_tokens", "decode_reused_tokens", "decode_computed_tokens"):
             v = fields.get(name)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 setattr(self, name, v)
@@ -247,6 +250,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
     res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason, res.stages_ms = (
         timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason, timer.stages_ms)
     res.cached_tokens, res.decode_reused_tokens = timer.cached_tokens, timer.decode_reused_tokens
+    res.decode_computed_tokens = timer.decode_computed_tokens
     if keep_output:
         res.output_ids = [int(t) for t in timer.output_ids]
     if res.ok and res.output_tokens != req.output_len:

@@ -130,7 +130,10 @@ def turn_row(turn: int, results: list[RequestResult], bytes_per_token: float | N
     with_decode = [r for r in ok if r.decode_reused_tokens is not None]
     with_cache = [r for r in ok if r.cached_tokens is not None]
     reused = _sum_or_none([r.decode_reused_tokens for r in with_decode])
-    sent = sum(r.input_len - (r.decode_reused_tokens or 0) for r in with_decode) if with_decode else None
+    # A local request's KV did not cross the wire at all: its decode computed what it did not reuse.
+    sent = (sum(r.input_len - (r.decode_reused_tokens or 0) - (r.decode_computed_tokens or 0) for r in with_decode)
+            if with_decode else None)
+    local = sum(r.decode_computed_tokens is not None for r in ok)
     cached = _sum_or_none([r.cached_tokens for r in with_cache])
     decode_prompts = sum(r.input_len for r in with_decode)
     cache_prompts = sum(r.input_len for r in with_cache)
@@ -139,7 +142,7 @@ def turn_row(turn: int, results: list[RequestResult], bytes_per_token: float | N
         "turn": turn, "requests": len(results), "ok": len(ok),
         "mean_prompt_tokens": round(sum(r.input_len for r in results) / max(len(results), 1), 1),
         "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"), "ttft_mean_ms": ttft.get("mean"),
-        "transferred_tokens": sent, "reused_tokens": reused, "cached_tokens": cached,
+        "transferred_tokens": sent, "reused_tokens": reused, "cached_tokens": cached, "decode_local": local,
         "transferred_tokens_per_request": None if per_req is None else round(per_req, 1),
         "transferred_bytes_per_request": (None if per_req is None or bytes_per_token is None
                                           else round(per_req * bytes_per_token)),
@@ -168,15 +171,15 @@ def transferred(before: dict[str, float], after: dict[str, float]) -> tuple[floa
 
 def format_turns(rows: list[dict], summary: dict | None = None) -> str:
     lines = ["| turn | ok/sent | mean prompt | TTFT p50 (ms) | TTFT p99 (ms) | tokens/request to decode | "
-             "KV bytes/request to decode | decode hit | prefill hit |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "KV bytes/request to decode | decode hit | prefill hit | on decode alone |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     pct = lambda v: "-" if v is None else f"{100 * v:.1f} %"  # noqa: E731
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         lines.append(f"| {r['turn']} | {r['ok']}/{r['requests']} | {r['mean_prompt_tokens']:g} | "
                      f"{num(r['ttft_p50_ms'], '.1f')} | {num(r['ttft_p99_ms'], '.1f')} | "
                      f"{num(r['transferred_tokens_per_request'], 'g')} | {num(r['transferred_bytes_per_request'], ',')} | "
-                     f"{pct(r['decode_hit_rate'])} | {pct(r['prefill_hit_rate'])} |")
+                     f"{pct(r['decode_hit_rate'])} | {pct(r['prefill_hit_rate'])} | {r.get('decode_local', 0)} |")
     if summary is not None:
         lines.append(f"turns >= 2: TTFT p50 {num(summary['later_turns_ttft_p50_ms'], '.1f')} ms, "
                      f"p99 {num(summary['later_turns_ttft_p99_ms'], '.1f')} ms; tokens to the decodes: "

@@ -4,6 +4,7 @@ on both tiny archs; then every node returns to its idle memory baseline.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -194,8 +195,11 @@ def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster:
     greedy for its full prompt, and turn k >= 2 receives only the pages past the previous turn's
     cached whole pages (the llama pair: decode prefix cache on): per request by its answer's
     ``decode_reused_tokens``, and by the decode's metrics around it (tokens, bytes on the wire).
-    MULTITURN_CONVERSATIONS x MULTITURN_TURNS scale it (CI: 2 x 3; ``make multiturn-acceptance``:
-    32 x 6)."""
+    Every third turn goes to the decode alone, as our router sends one with
+    --decode-local-prefill-tokens: it computes the tokens past its cached prefix itself (real
+    numerics on top of KV that arrived over the wire), nothing is transferred, and its answer says
+    what it reused and computed. MULTITURN_CONVERSATIONS x MULTITURN_TURNS scale it (CI: 2 x 3;
+    ``make multiturn-acceptance``: 32 x 6)."""
     import httpx
 
     from tests.e2e.cluster import metric
@@ -210,19 +214,43 @@ def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster:
     rng = random.Random(23)
     vocab = _tokenizer(pd_cluster.model_dir).vocab_size
 
-    def counters() -> tuple[float, float, float]:
+    def counters() -> tuple[float, float, float, float]:
         return (metric(d, "pdc_decode_transferred_tokens_total"), metric(d, "pdc_decode_reused_tokens_total"),
-                metric(d, "pdc_decode_transferred_bytes_total"))
+                metric(d, "pdc_decode_transferred_bytes_total"), metric(d, "pdc_decode_local_prefill_tokens_total"))
 
     for c in range(convs):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(20, 41))]
         cached_upto = 0  # tokens whose KV the decode holds for this conversation (whole pages)
         prev_prompt: list[int] = []
         for t in range(turns):
-            n, stream = rng.randrange(5, 10), (c + t) % 2 == 1
-            what = f"conversation {c} turn {t} prompt_len={len(prompt)} stream={stream}"
+            n, stream, local = rng.randrange(5, 10), (c + t) % 2 == 1, t % 3 == 2
+            what = f"conversation {c} turn {t} prompt_len={len(prompt)} stream={stream} local={local}"
             body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
             before = counters()
+            if local:  # no bootstrap fields: the decode computes what its cache lacks
+                if stream:
+                    events = []
+                    with httpx.stream("POST", d + "/generate", json={**body, "stream": True}, timeout=60) as r:
+                        assert r.status_code == 200, (what, r.read())
+                        events = [json.loads(line[6:]) for line in r.iter_lines()
+                                  if line.startswith("data: ") and line != "data: [DONE]"]
+                    got, meta = events[-1]["output_ids"], events[-1]["meta_info"]
+                else:
+                    r = httpx.post(d + "/generate", json=body, timeout=60)
+                    assert r.status_code == 200, (what, r.text)
+                    got, meta = r.json()["output_ids"], r.json()["meta_info"]
+                check_greedy(pd_cluster.model_dir, prompt, got, n, what)
+                after = counters()
+                want_reused = min(cached_upto, (len(prompt) - 1) // ps * ps)
+                assert (meta["decode_reused_tokens"], meta["decode_computed_tokens"]) == \
+                    (want_reused, len(prompt) - want_reused), (what, meta)
+                assert meta["cached_tokens"] == want_reused, (what, meta)  # the hit where it was computed
+                assert (after[0] - before[0], after[2] - before[2]) == (0, 0), what  # nothing crossed the wire
+                assert (after[1] - before[1], after[3] - before[3]) == (want_reused, len(prompt) - want_reused), what
+                cached_upto = (len(prompt) + len(got) - 1) // ps * ps
+                # prev_prompt stays: the prefill never saw this turn, its cache holds the one before.
+                prompt = prompt + got + [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 21))]
+                continue
             if stream:
                 p, events, status = pd_cluster.pd_stream("/generate", body)
                 assert p.status_code == 200 and status == 200 and events[-1] == {"done": True}, what

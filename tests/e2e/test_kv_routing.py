@@ -16,6 +16,7 @@ qwen3; one cluster for the module, with a cluster secret (sealed events, signed 
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -232,6 +233,19 @@ def decode_counts(url: str) -> tuple[float, float, dict[str, float]]:
             samples(text, "pdc_router_kv_decode_predicted_tokens_total").get("", 0.0), routed)
 
 
+def wait_index_caught_up(url: str, d: str) -> None:
+    """A turn's pages reach the decode's cache when it releases the request; wait until the
+    router's index shows what the decode's own log holds."""
+    deadline = time.monotonic() + 30
+    while True:
+        held = node_metric(d, "pdc_scheduler_kv_events_blocks")
+        index = {label(k, "worker"): v for k, v in samples(metrics(url), "pdc_router_kv_index_blocks").items()}
+        if held > 0 and index.get(d) == held:
+            return
+        assert time.monotonic() < deadline, f"the router's index of {d} never caught up: {index.get(d)} vs {held}"
+        time.sleep(0.1)
+
+
 def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: LocalCluster) -> None:
     """Turn 2 of a new conversation lands on the decode that served turn 1 (its prefix cache
     holds turn 1's prompt, per its KV events), that decode reuses tokens instead of receiving
@@ -261,16 +275,7 @@ def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: Loca
         assert grew == {'outcome="exact"': 1.0}, (turn, grew)
         went.append(d)
         hits.append(got[d])
-        # The turn's pages reach the decode's cache when it releases the request; wait until the
-        # router's index shows what the decode's own log holds.
-        deadline = time.monotonic() + 30
-        while True:
-            held = node_metric(d, "pdc_scheduler_kv_events_blocks")
-            index = {label(k, "worker"): v for k, v in samples(metrics(url), "pdc_router_kv_index_blocks").items()}
-            if held > 0 and index.get(d) == held:
-                break
-            assert time.monotonic() < deadline, f"the router's index of {d} never caught up: {index.get(d)} vs {held}"
-            time.sleep(0.1)
+        wait_index_caught_up(url, d)
     assert went[1] == went[0], f"turn 2 left the decode holding turn 1: {went}"
     assert hits[0] == 0 and hits[1] >= 2 * PAGE, hits
     for d in decodes:
@@ -285,3 +290,54 @@ def test_decode_turns_go_to_the_decode_holding_the_conversation(kv_cluster: Loca
     while any(samples(metrics(url), "pdc_router_kv_index_blocks").values()):
         assert time.monotonic() < deadline, "the router's index kept blocks after /flush_cache"
         time.sleep(0.1)
+
+
+def test_a_next_turn_within_the_local_bound_goes_to_its_decode_alone(
+        kv_cluster: LocalCluster, tiny_model_factory: Callable[..., str]) -> None:
+    """A second router with --decode-local-prefill-tokens 24. Turn 1 (40 tokens, none cached) goes
+    through a prefill. Turns 2 and 3 leave at most 24 tokens past what their decode holds: each goes
+    to that decode alone (no prefill, no room), which reuses exactly the predicted prefix and
+    computes the rest. A turn asking for prompt logprobs (the prefill computes those) goes through
+    a prefill whatever it leaves."""
+    model_dir = tiny_model_factory("qwen3")
+    url = kv_cluster.start_router("router-local", [n.name for n in kv_cluster.nodes],
+                                  [*ROUTER_ARGS, "--tokenizer-path", model_dir, "--decode-local-prefill-tokens", "24"])
+    wait_synced(url, 4)
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 1000) for _ in range(40)]
+
+    def counts() -> tuple[float, dict[str, float], dict[str, float]]:
+        text = metrics(url)
+        routed = {k: v for k, v in samples(text, "pdc_router_worker_routed_total").items()}
+        return (samples(text, "pdc_router_decode_local_total").get('endpoint="generate"', 0.0),
+                {label(k, "worker"): v for k, v in routed.items() if 'role="prefill"' in k},
+                {label(k, "worker"): v for k, v in routed.items() if 'role="decode"' in k})
+
+    went: list[str] = []
+    cached_upto = 0  # what the conversation's decode holds: whole pages of its last prompt + answer - 1
+    for turn, logprob in ((1, False), (2, False), (3, False), (4, True)):
+        local0, prefills0, decodes0 = counts()
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": logprob}
+        r = httpx.post(url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        local, prefills, decodes = counts()
+        (d,) = [u for u, n in decodes.items() if n > decodes0.get(u, 0)]
+        went.append(d)
+        prefilled = sum(prefills.values()) - sum(prefills0.values())
+        if turn in (2, 3):
+            assert (local - local0, prefilled) == (1, 0), (turn, meta)
+            held = min(cached_upto, (len(prompt) - 1) // PAGE * PAGE)
+            assert 0 < len(prompt) - held <= 24, (turn, len(prompt), held)
+            assert (meta["decode_reused_tokens"], meta["decode_computed_tokens"]) == (held, len(prompt) - held), meta
+        else:
+            assert (local - local0, prefilled) == (0, 1), (turn, meta)
+            assert "decode_computed_tokens" not in meta, meta
+        wait_index_caught_up(url, d)
+        out = r.json()["output_ids"]
+        cached_upto = (len(prompt) + len(out) - 1) // PAGE * PAGE
+        prompt = prompt + out + [rng.randrange(100, 1000) for _ in range(8)]
+    assert len(set(went)) == 1, f"the conversation left its decode: {went}"
+    for n in (*kv_cluster.prefills, *kv_cluster.decodes):
+        wait_idle(n.url, secret=SECRET)

@@ -39,7 +39,7 @@ def test_second_turn_receives_only_the_pages_past_the_cached_conversation() -> N
     rig.assert_clean()
 
 
-def test_every_streamed_output_reports_the_decode_reuse_and_a_local_request_none() -> None:
+def test_every_streamed_output_reports_the_decode_reuse_and_a_local_request_what_it_computed() -> None:
     rig = Rig(prefix_cache=True)
     p1 = prompt_of(11, 10)
     o1 = _turn(rig, "t1", p1, 8, room=1)
@@ -49,9 +49,40 @@ def test_every_streamed_output_reports_the_decode_reuse_and_a_local_request_none
     assert rig.tokens("t2") == reference(p2, 5)
     outs = rig.outputs["t2"]
     assert len(outs) > 1 and all(o.decode_reused_tokens == 16 for o in outs)  # from the first token on
-    rig.add("local", prompt_of(12, 6), 3)  # no room: computed here, nothing transferred or reused
+    rig.add("local", prompt_of(12, 6), 3)  # no room, nothing cached: all six computed here
     rig.run()
-    assert rig.final("local").decode_reused_tokens is None
+    assert (rig.final("local").decode_reused_tokens, rig.final("local").decode_computed_tokens) == (0, 6)
+    assert rig.final("t2").decode_computed_tokens is None  # its KV came from the prefill
+    rig.assert_clean()
+
+
+def test_a_local_next_turn_computes_only_what_its_cached_conversation_lacks() -> None:
+    """The router's --decode-local-prefill-tokens: turn 2 comes without a room to the decode that
+    ran turn 1; it locks the cached conversation and computes only the tokens past it."""
+    rig = Rig(prefix_cache=True)
+    p1 = prompt_of(13, 10)
+    o1 = _turn(rig, "t1", p1, 8, room=1)  # caches 16 tokens (4 pages): p1 + o1[:6]
+    p2 = p1 + o1 + [5, 6, 7, 8, 9]  # 23 tokens
+    before = rig.engine.extend_tokens
+    rig.add("t2", p2, 6, stream=True)
+    rig.run()
+    assert rig.tokens("t2") == reference(p2, 6)  # the fake engine reads the whole prefix through the row
+    assert rig.engine.extend_tokens - before == len(p2) - 16
+    assert 2 not in rig.hub.rx and len(rig.hub.rx) == 1  # no room: nothing was received
+    outs = rig.outputs["t2"]
+    assert all((o.cached_tokens, o.decode_reused_tokens, o.decode_computed_tokens) == (16, 16, len(p2) - 16)
+               for o in outs)
+    c = rig.sched.counters
+    assert (c.reused_tokens, c.local_prefill_tokens, c.transferred_tokens) == (16, len(p2) - 16, 10)
+    m = rig.stats.metrics()
+    assert m["pdc_decode_local_prefill_tokens_total"] == len(p2) - 16 and m["pdc_decode_reused_tokens_total"] == 16
+    # Its own pages joined the cache: turn 3, routed the same way, reuses turn 2's answer too.
+    o2 = rig.tokens("t2")
+    p3 = p2 + o2 + [1, 1]
+    rig.add("t3", p3, 4)
+    rig.run()
+    assert rig.tokens("t3") == reference(p3, 4)
+    assert rig.final("t3").decode_reused_tokens == (len(p2) + len(o2) - 1) // PS * PS
     rig.assert_clean()
 
 
@@ -198,5 +229,22 @@ def test_a_cached_page_written_over_is_not_reused_the_prefill_sends_from_there()
     p2 = p1 + o1 + [4, 4, 4]
     _turn(rig, "t2", p2, 5, room=2)  # exact all the same: pages 2.. come from the prefill
     assert rig.hub.rx[2].prefix_len == 2 * PS
+    assert rig.memory.digests is not None and rig.memory.digests.failures == 1
+    rig.assert_clean()
+
+
+def test_a_local_request_does_not_reuse_a_cached_page_written_over_and_recomputes_from_it() -> None:
+    from tests.unit.test_kv_integrity import poke
+
+    rig, p = _rig_with_digests()
+    p1 = prompt_of(13, 10)
+    o1 = _turn(rig, "t1", p1, 8, room=1)
+    cached = rig.memory.cache.match_prefix(p1 + o1, max_tokens=16).pages
+    poke(p, cached[2], layer_buffer=0)
+    p2 = p1 + o1 + [2, 2, 2]
+    rig.add("t2", p2, 5)  # local: no room
+    rig.run()
+    assert rig.tokens("t2") == reference(p2, 5)
+    assert (rig.final("t2").decode_reused_tokens, rig.final("t2").decode_computed_tokens) == (2 * PS, len(p2) - 2 * PS)
     assert rig.memory.digests is not None and rig.memory.digests.failures == 1
     rig.assert_clean()

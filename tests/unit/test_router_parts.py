@@ -25,6 +25,8 @@ def test_flags_in_sglang_router_shapes() -> None:
     assert cfg.workers == (WorkerSpec("http://p0:30000", "prefill", 8998), WorkerSpec("http://p1:30000", "prefill", None),
                            WorkerSpec("http://d0:30001", "decode"))
     assert (cfg.prefill_policy, cfg.decode_policy, cfg.port) == ("cache-aware", "power-of-two", 9000)
+    assert cfg.decode_local_prefill_tokens == 0  # off unless asked for
+    assert parse_config(["--decode-local-prefill-tokens", "128"]).decode_local_prefill_tokens == 128
 
 
 def test_a_router_open_to_the_network_needs_a_key_or_insecure(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,6 +51,7 @@ def test_a_router_open_to_the_network_needs_a_key_or_insecure(monkeypatch: pytes
     (["--request-timeout-s", "0"], "--request-timeout-s must be > 0"),
     (["--cache-threshold", "1.5"], "--cache-threshold"),
     (["--max-retries", "-1"], "--max-retries"),
+    (["--decode-local-prefill-tokens", "-1"], "--decode-local-prefill-tokens"),
 ])
 def test_bad_flag_values_name_the_flag(argv: list[str], what: str) -> None:
     with pytest.raises(ConfigError, match=what):
