@@ -18,8 +18,10 @@ queue (``DecodeQueues``) once::
         v
     retracted: pages freed, tokens kept ──resume, before any new room──> recompute prompt + output
         on this node (extend, no sampling) ──> running
-    local request (no room, e.g. /health_generate): enters "retracted" with no output; its
-        recompute is a plain prefill whose last chunk samples the first token
+    local request (no room: /health_generate, or a next turn the router sends here alone,
+        --decode-local-prefill-tokens): enters "retracted" with no output; its recompute is a plain
+        prefill (past its cached prefix, with the prefix cache on) whose last chunk samples the
+        first token, sent like a room's first token: before the step's forward
 
 Aborts (client gone, /abort_request) are answered at once. A room whose TransferInfo is out may
 still be written by the prefill, so its pages wait in ``draining`` until the receiver reports a
@@ -90,7 +92,7 @@ class DecodeScheduler:
         self.queues = DecodeQueues()
         self.counters = DecodeCounters()
         self.outbox: list[ReqOutput] = []  # this step's outputs, handed out by step()
-        self._first_token: list[DecodeReq] = []  # KV landed this step: first token goes out with it
+        self._first_token: list[DecodeReq] = []  # KV landed (or computed here) this step: first token goes out with it
         self._deferred = False  # the last step skipped its forward to stream first tokens at once
 
     # ---- one step -------------------------------------------------------------------------------
@@ -300,7 +302,8 @@ class DecodeScheduler:
             if self.memory.cache.enabled:  # digests of the full pages, checked before the cache serves them
                 self.memory.written(kv, reused, len(ids), final=False)
             budget_left -= len(ids) - reused
-            if first is not None:
+            if first is not None:  # a local request's first token: out before this step's forward, as a room's
+                self._first_token.append(r)
                 self._append(r, first.token_id, first.logprob, first.top_logprobs)
             self._to_running_or_finish(r)
 

@@ -128,7 +128,8 @@ def turn_row(turn: int, results: list[RequestResult], bytes_per_token: float | N
     ok = [r for r in results if r.ok]
     ttft = report.distribution_ms([r.ttft_s for r in ok if r.ttft_s is not None]) or {}
     with_decode = [r for r in ok if r.decode_reused_tokens is not None]
-    with_cache = [r for r in ok if r.cached_tokens is not None]
+    # The prefill's hit: a local request's cached_tokens is its decode's (it never met a prefill).
+    with_cache = [r for r in ok if r.cached_tokens is not None and r.decode_computed_tokens is None]
     reused = _sum_or_none([r.decode_reused_tokens for r in with_decode])
     # A local request's KV did not cross the wire at all: its decode computed what it did not reuse.
     sent = (sum(r.input_len - (r.decode_reused_tokens or 0) - (r.decode_computed_tokens or 0) for r in with_decode)

@@ -380,6 +380,25 @@ def test_logprobs_first_from_aux_then_from_sampler() -> None:
     assert len(fin.new_top_logprobs) == 3 and len(fin.new_top_logprobs[1]) == 2
 
 
+def test_a_streamed_local_requests_first_token_also_leaves_before_the_forward() -> None:
+    """A local request (no room) samples its first token in its compute's last chunk: that token
+    goes out in the same step, which runs no decode forward (as for a room's first token)."""
+    rig = Rig(max_running=16)
+    rig.add("a", prompt_of(1, 5), 40, room=1, stream=True)
+    while len(rig.outputs.get("a", [])) < 2:
+        rig.step()
+    forwards, seen_a = len(rig.engine.decode_batches), len(rig.outputs["a"])
+    rig.add("local", prompt_of(2, 7), 4, stream=True)
+    rig.step()
+    assert len(rig.outputs["local"]) == 1 and rig.tokens("local") == reference(prompt_of(2, 7), 1)
+    assert len(rig.engine.decode_batches) == forwards and len(rig.outputs["a"]) == seen_a  # no forward this step
+    rig.step()
+    assert rig.engine.decode_batches[-1] == 2  # the next step decodes both
+    rig.run()
+    assert rig.tokens("local") == reference(prompt_of(2, 7), 4)
+    rig.assert_clean()
+
+
 def test_local_request_is_computed_here() -> None:
     rig = Rig()
     rig.add("local", prompt_of(9, 13), 6)
