@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from router.metrics import RouterMetrics, stream_tokens
 from common.pd_contract import BOOTSTRAP_FIELDS
+from router.metrics import RouterMetrics, stream_tokens
 from router.parse import RequestInfo, RouterError, bootstrap_fields
 from router.policies import Policy
 from router.prompt_key import RouteKey
