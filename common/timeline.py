@@ -21,6 +21,8 @@ import msgspec
 # Stage names, in order, per role (docs/OPERATIONS.md lists what each covers).
 PREFILL_STAGES = ("bootstrap", "queue", "forward", "transfer")
 DECODE_STAGES = ("prealloc", "kv_transfer", "first_token", "decode")
+# A decode's local request (no room: it computes its prompt itself) instead of the first two.
+LOCAL_DECODE_STAGES = ("local_prefill", "first_token", "decode")
 
 
 class StageTimes(msgspec.Struct, kw_only=True):

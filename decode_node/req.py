@@ -72,7 +72,8 @@ class DecodeReq:
     http_status: int | None = None
     retractions: int = 0
     drain_since: float = 0.0
-    clock: StageClock = field(default_factory=lambda: StageClock("decode"))  # prealloc, kv_transfer, first_token, decode
+    # prealloc, kv_transfer, first_token, decode (a local request: local_prefill, first_token, decode)
+    clock: StageClock = field(default_factory=lambda: StageClock("decode"))
     # Constrained decoding: the matcher, advanced by every output token (the prefill's first one
     # included) before the next is sampled. Kept across retraction: recompute rebuilds KV only.
     grammar: GrammarState | None = None
@@ -177,9 +178,10 @@ class DecodeReq:
         lp = self.params.return_logprob
         self.sent = len(self.out)
         timeline = None
-        if self.finish is not None and self.error is None and self.room is not None:
+        if self.finish is not None and self.error is None:
             self.clock.lap("decode")
-            self.clock.forwards = max(len(self.out) - 1, 0)  # decode steps (the first token came from the prefill)
+            # decode steps (the first token came from the prefill, or a local request's compute)
+            self.clock.forwards = max(len(self.out) - 1, 0)
             timeline = self.clock.times()
         return ReqOutput(
             rid=self.rid, new_token_ids=self.out[new], new_logprobs=self.logprobs[new] if lp else None,

@@ -299,6 +299,8 @@ class DecodeScheduler:
                 self.counters.reused_tokens += reused
                 self.counters.local_prefill_tokens += len(ids) - reused
             first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step, start=reused)
+            if first is not None:
+                r.clock.lap("local_prefill")  # arrival -> its prompt computed (the wait for a turn included)
             if self.memory.cache.enabled:  # digests of the full pages, checked before the cache serves them
                 self.memory.written(kv, reused, len(ids), final=False)
             budget_left -= len(ids) - reused

@@ -6,7 +6,8 @@ node's timeline (which adds up to the decode's own span) it puts::
 
     router_pick   arrival -> both legs sent (queue, pick, retries)
     decode_hop    the router's view of the decode leg minus the decode's own total: HTTP both ways
-    <decode>      api_in, prealloc, kv_transfer, first_token, decode, api_out (the decode node's)
+    <decode>      api_in, prealloc, kv_transfer, first_token, decode, api_out (the decode node's;
+                  a request sent to the decode alone has local_prefill for prealloc + kv_transfer)
     router_out    final answer in -> written to the client (rewriting it included)
 
 so the stages add up to the router's end-to-end time. The prefill's timeline (bootstrap, queue,

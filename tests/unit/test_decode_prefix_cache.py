@@ -6,6 +6,7 @@ KV it reads through the row is prompt + output, so a reused page holding anythin
 page freed while still cached or locked, fails; expected tokens come from ``reference()``."""
 from __future__ import annotations
 
+from common.timeline import LOCAL_DECODE_STAGES
 from tests.unit.test_decode_scheduler import PS, Rig, next_token, prompt_of, reference
 
 
@@ -76,6 +77,8 @@ def test_a_local_next_turn_computes_only_what_its_cached_conversation_lacks() ->
     assert (c.reused_tokens, c.local_prefill_tokens, c.transferred_tokens) == (16, len(p2) - 16, 10)
     m = rig.stats.metrics()
     assert m["pdc_decode_local_prefill_tokens_total"] == len(p2) - 16 and m["pdc_decode_reused_tokens_total"] == 16
+    timeline = rig.final("t2").timeline
+    assert timeline is not None and tuple(timeline.stages) == LOCAL_DECODE_STAGES and timeline.forwards == 5
     # Its own pages joined the cache: turn 3, routed the same way, reuses turn 2's answer too.
     o2 = rig.tokens("t2")
     p3 = p2 + o2 + [1, 1]
