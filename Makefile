@@ -90,15 +90,16 @@ grammar-acceptance: setup router-venv
 	GRAMMAR_REQUESTS=$(GRAMMAR_REQUESTS) $(BIN)/python -m pytest -q tests/e2e/test_structured_pd.py \
 		tests/e2e/test_sglang_router.py -k structured tests/e2e/test_router_cluster.py::test_structured_outputs_validate_and_greedy_match_hf
 
-# Multi-turn acceptance on a decode with its prefix cache (tests/e2e/test_decode_pd.py): each
-# turn's answer equals HF greedy and reports the decode's reuse of the previous turn
-# (decode_reused_tokens) as its metrics count it. CI runs 2 conversations x 3 turns (the
-# qwen3 pair keeps no decode cache: only the llama one runs here).
+# Multi-turn acceptance on decodes with their prefix cache: a prefill + decode pair driven directly
+# (tests/e2e/test_decode_pd.py), and 2P2D behind two routers of ours, one sending next turns to their
+# decode alone (tests/e2e/test_multiturn_routed.py). Each turn's answer equals HF greedy and reports
+# the decode's reuse of the previous turn (decode_reused_tokens) as its metrics count it. CI runs
+# 2 x 3 and 3 x 4 (the qwen3 pair keeps no decode cache: only the llama one runs here).
 MULTITURN_CONVERSATIONS ?= 32
 MULTITURN_TURNS ?= 6
 multiturn-acceptance: setup
 	MULTITURN_CONVERSATIONS=$(MULTITURN_CONVERSATIONS) MULTITURN_TURNS=$(MULTITURN_TURNS) $(BIN)/python -m pytest \
-		-q tests/e2e/test_decode_pd.py -k "multiturn and llama"
+		-q tests/e2e/test_decode_pd.py tests/e2e/test_multiturn_routed.py -k "multiturn and (llama or routed)"
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .venv-tools

@@ -254,6 +254,15 @@ def running_cluster(model_dir: str, backend: str = "mooncake", decode_args: list
     shutil.rmtree(logdir, ignore_errors=True)  # the logs are only worth keeping when something failed
 
 
+def page_nbytes(model_dir: str, page_size: int = 16) -> int:
+    """Bytes of one KV page (every layer, K and V, float32 on CPU), from the checkpoint's config."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4 * page_size
+
+
 def check_greedy(model_dir: str, prompt: list[int], got: list[int], n: int, what: str) -> None:
     """``got`` equals HF greedy, except after a step where HF's top-2 gap is a near-tie."""
     from tests.reference import hf_greedy

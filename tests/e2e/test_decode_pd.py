@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.e2e.cluster import NEAR_TIE, Cluster, check_greedy, memory
+from tests.e2e.cluster import NEAR_TIE, Cluster, check_greedy, memory, page_nbytes
 from tests.reference import hf_greedy, hf_logits
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -178,18 +178,6 @@ def test_ops_endpoints_on_the_decode_node(pd_cluster: Cluster) -> None:
     assert mem["integrity"] == "ok" and mem["transfer_rooms"] == 0
 
 
-def _page_nbytes(model_dir: str, page_size: int = 16) -> int:
-    """Bytes of one KV page (every layer, K and V, float32 on CPU), from the checkpoint's config."""
-    import json
-    import os
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4 * page_size
-
-
 def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster: Cluster) -> None:
     """Each turn's prompt = the previous prompt + its answer + new user tokens. Every output is HF
     greedy for its full prompt, and turn k >= 2 receives only the pages past the previous turn's
@@ -208,7 +196,7 @@ def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster:
     if not reuse:  # the qwen3 pair runs without a decode cache; that path is covered in tests/unit (CI time)
         pytest.skip("the qwen3 pair's decode keeps no prefix cache")
     ps, d = 16, pd_cluster.decode.url
-    page_nbytes = _page_nbytes(pd_cluster.model_dir)
+    nbytes = page_nbytes(pd_cluster.model_dir)
     convs = int(os.environ.get("MULTITURN_CONVERSATIONS", "2"))
     turns = int(os.environ.get("MULTITURN_TURNS", "3"))
     rng = random.Random(23)
@@ -269,7 +257,7 @@ def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster:
             assert meta["decode_reused_tokens"] == want_reused and meta["prompt_tokens"] == len(prompt), (what, meta)
             transferred = meta["prompt_tokens"] - meta["decode_reused_tokens"]
             assert (after[0] - before[0], after[1] - before[1]) == (transferred, want_reused), what
-            assert after[2] - before[2] == sent_pages * page_nbytes, what
+            assert after[2] - before[2] == sent_pages * nbytes, what
             # The prefill's own cache hit stays what meta_info reports: the previous prompt's whole pages.
             assert meta["cached_tokens"] == min(len(prev_prompt) // ps * ps, (len(prompt) - 1) // ps * ps), (what, meta)
             # The decode wrote KV for prompt + got[:-1]: its whole pages are cached for the next turn.
