@@ -11,7 +11,8 @@ conversation, which reuses exactly the previous turn's whole pages (``decode_reu
 through a prefill, only the pages past that prefix cross the wire (the decodes' token and byte
 counters); alone on its decode, nothing crosses and the decode computes the rest itself
 (``decode_computed_tokens``, ``pdc_decode_local_prefill_tokens_total``). At the end every node is
-idle, and after ``/flush_cache`` through a router every cache is empty.
+idle, and after ``/flush_cache`` through a router every cache is empty. Last, a decode dies just
+before a next turn is sent to it alone: the router retries that turn through a prefill.
 
 MULTITURN_CONVERSATIONS x MULTITURN_TURNS scale it (CI: 3 x 4; ``make multiturn-acceptance``: 32 x 6).
 """
@@ -157,3 +158,35 @@ def test_multiturn_behind_the_router_matches_hf_and_moves_only_the_new_pages(
     for n in nodes:
         mem = memory(n)
         assert mem["cached_pages"] == 0 and mem["free_pages"] == mem["total_pages"], (n, mem)
+
+
+def test_a_local_turn_whose_decode_died_is_retried_through_a_prefill(
+        routed: tuple[LocalCluster, str, str, str]) -> None:
+    """Runs last: it kills a decode. A next turn picked for its decode alone, sent just after that
+    decode died (before a health probe could notice), fails to connect; the router takes the dead
+    decode out of rotation and retries through a prefill and the live decode. The client gets the
+    HF-exact answer, and the live nodes end idle."""
+    cluster, model_dir, _, local = routed
+    rng = random.Random(31)
+    vocab = Tokenizer(model_dir).vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(40)]  # > the bound: turn 1 goes through a prefill
+    decodes = {d.url: d.name for d in cluster.decodes}
+    nodes = [n.url for n in (*cluster.prefills, *cluster.decodes)]
+    before = {d: total(d, "pdc_decode_transferred_tokens_total") for d in decodes}
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    got, _ = _send(local, body, stream=False)
+    (holder,) = [d for d in decodes if total(d, "pdc_decode_transferred_tokens_total") > before[d]]
+    wait_indexes([local], nodes)
+    prompt = prompt + got + [rng.randrange(3, vocab) for _ in range(8)]  # 52 tokens, 32 of them held: 20 to compute
+    local0 = total(local, "pdc_router_decode_local_total")
+    retries0 = total(local, "pdc_router_retries_total")
+    cluster.kill(decodes[holder])
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    got, meta = _send(local, body, stream=True)
+    check_greedy(model_dir, prompt, got, 5, "the retried turn")
+    assert "decode_computed_tokens" not in meta and meta["decode_reused_tokens"] == 0, meta  # via a prefill
+    assert total(local, "pdc_router_decode_local_total") - local0 == 1  # the first try went to the dead decode
+    assert total(local, "pdc_router_retries_total") - retries0 == 1
+    for n in nodes:
+        if n != holder:
+            wait_idle(n)
