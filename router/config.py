@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --decode-policy cache-aware and --tokenizer-path: a single-sequence request whose "
                          "chosen decode holds all but at most N of its prompt's tokens in its prefix cache (a "
                          "conversation's next turn) goes to that decode alone, which computes the rest itself: no "
-                         "prefill, no KV transfer. Its running streams wait for those N tokens' forward "
+                         "prefill, no KV transfer. That decode's running streams wait for the extend (at most N tokens) "
                          "(default: %(default)s, off)")
     return ap
 
