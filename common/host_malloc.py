@@ -51,9 +51,9 @@ def _glibc() -> ctypes.CDLL | None:
 def tune(enabled: bool | None = None) -> dict[str, int] | None:
     """Apply the settings above (``enabled`` None: unless ``PDC_MALLOC_TUNING=0``); what was set,
     or None: off, not glibc, or a setting refused (then logged; one refused after the other was
-    set leaves that one alone in force, which glibc's limits on these values never cause). The scheduler process calls it through
-    ``common.cpu_budget.apply_scheduler_budget``; the bench tools that time forwards call it too,
-    so they measure what a node runs."""
+    set leaves that one alone in force, which glibc's limits on these values never cause). The
+    scheduler process calls it through ``common.cpu_budget.apply_scheduler_budget``; the bench
+    tools that time forwards call it too, so they measure what a node runs."""
     if enabled is None:
         from common import envs
 

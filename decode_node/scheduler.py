@@ -281,9 +281,10 @@ class DecodeScheduler:
                                           alone=not (q.running or q.waiting)):
                 return
             # With the prefix cache on, the longest cached prefix is locked and only the rest is
-            # computed: a resumed request finds its own pages if they were not evicted meanwhile,
-            # and a local request (routed here because this node holds its conversation, router
-            # --decode-local-prefill-tokens) computes only its new suffix.
+            # computed: a resumed request finds the prefix it reused at prealloc if it was not
+            # evicted meanwhile (its own pages were freed), and a local request (routed here
+            # because this node holds its conversation, router --decode-local-prefill-tokens)
+            # computes only its new suffix.
             kv = self.memory.admit(ids, use_cache=self.memory.cache.enabled)
             if kv is None:
                 return
@@ -298,7 +299,7 @@ class DecodeScheduler:
                 r.computed_tokens = len(ids) - reused
                 self.counters.reused_tokens += reused
                 self.counters.local_prefill_tokens += len(ids) - reused
-            first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step, start=reused)
+            first = recompute(self.engine, r, ids, self.cfg.recompute_tokens_per_step)
             if first is not None:
                 r.clock.lap("local_prefill")  # arrival -> its prompt computed (the wait for a turn included)
             if self.memory.cache.enabled:  # digests of the full pages, checked before the cache serves them
@@ -508,14 +509,14 @@ class DecodeScheduler:
         self.queues.check_integrity(self.memory, self.aux)
 
 
-def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int, start: int = 0) -> SampledToken | None:
-    """Write the KV of ``ids[start:]`` into ``r``'s row (the first ``start`` tokens' KV is there:
-    a cached prefix), ``chunk`` tokens per forward (a resumed request's recompute); a request with
-    no output yet samples its first token from the last chunk."""
-    assert r.kv is not None and 0 <= start < len(ids)
+def recompute(engine: Engine, r: DecodeReq, ids: Sequence[int], chunk: int) -> SampledToken | None:
+    """Write the KV of ``ids`` past the row's cached prefix (``r.kv.num_cached``, whose KV is
+    there) into ``r``'s row, ``chunk`` tokens per forward (a resumed request's recompute); a
+    request with no output yet samples its first token from the last chunk."""
+    assert r.kv is not None and r.kv.num_cached < len(ids)
     chunk = max(chunk, 1)
     sampled: SampledToken | None = None
-    for start in range(start, len(ids), chunk):
+    for start in range(r.kv.num_cached, len(ids), chunk):
         end = min(start + chunk, len(ids))
         first = end == len(ids) and not r.out
         spec = SampleSpec(r.params, r.out, r.prompt, r.grammar.matcher if r.grammar else None) if first else None

@@ -308,7 +308,7 @@ def test_a_next_turn_within_the_local_bound_goes_to_its_decode_alone(
 
     def counts() -> tuple[float, dict[str, float], dict[str, float]]:
         text = metrics(url)
-        routed = {k: v for k, v in samples(text, "pdc_router_worker_routed_total").items()}
+        routed = samples(text, "pdc_router_worker_routed_total")
         return (samples(text, "pdc_router_decode_local_total").get('endpoint="generate"', 0.0),
                 {label(k, "worker"): v for k, v in routed.items() if 'role="prefill"' in k},
                 {label(k, "worker"): v for k, v in routed.items() if 'role="decode"' in k})
