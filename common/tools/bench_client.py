@@ -80,6 +80,9 @@ class RequestResult:
     # The answer's stage timeline, flattened (stage -> ms): the router's composed one, or a
     # node's own when the bench talks to the nodes directly (docs/OPERATIONS.md §3).
     stages_ms: dict[str, float] = field(default_factory=dict)
+    # The prefill's own stages (bootstrap, queue, forward, transfer, its API hops), which the
+    # router nests in the timeline: they ran inside the decode's prealloc + kv_transfer.
+    prefill_stages_ms: dict[str, float] = field(default_factory=dict)
     # The generated token ids (native /generate only), kept when the workload builds the next
     # request from them (``--workload multiturn``); empty otherwise.
     output_ids: list[int] = field(default_factory=list)
@@ -116,6 +119,7 @@ class StreamTimer:
         self.itl_s: list[float] = []
         self.finish_reason: str | None = None
         self.stages_ms: dict[str, float] = {}
+        self.prefill_stages_ms: dict[str, float] = {}
         self.output_ids: list[int] = []  # the cumulative ids of the latest native event
         self.cached_tokens: int | None = None
         self.decode_reused_tokens: int | None = None
@@ -155,6 +159,9 @@ class StreamTimer:
     def _timeline(self, timeline: object) -> None:
         if isinstance(timeline, dict) and isinstance(timeline.get("stages_ms"), dict):
             self.stages_ms = {str(k): float(v) for k, v in timeline["stages_ms"].items()}
+            prefill = timeline.get("prefill")
+            if isinstance(prefill, dict) and isinstance(prefill.get("stages_ms"), dict):
+                self.prefill_stages_ms = {str(k): float(v) for k, v in prefill["stages_ms"].items()}
 
     def _prompt_reuse(self, fields: dict) -> None:
         for name in ("cached_tokens", "decode_reused_tokens", "decode_computed_tokens"):
@@ -249,6 +256,7 @@ async def send(session: aiohttp.ClientSession, target: Target, req: BenchRequest
             await asyncio.gather(prefill, return_exceptions=True)
     res.ttft_s, res.itl_s, res.output_tokens, res.finish_reason, res.stages_ms = (
         timer.ttft_s, timer.itl_s, timer.tokens, timer.finish_reason, timer.stages_ms)
+    res.prefill_stages_ms = timer.prefill_stages_ms
     res.cached_tokens, res.decode_reused_tokens = timer.cached_tokens, timer.decode_reused_tokens
     res.decode_computed_tokens = timer.decode_computed_tokens
     if keep_output:

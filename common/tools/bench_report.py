@@ -26,7 +26,7 @@ PERCENTILES = (50, 90, 99)
 _MAY_CHANGE = {"free_pages", "cached_pages", "evictable_pages", "new_token_ratio"}
 # Counts of things only a live request holds: all 0 on an idle node (either role's names).
 _LIVE = ("locked_pages", "used_pages", "held_pages", "transfer_pages", "transfer_rooms", "bootstrap_reqs",
-         "waiting_reqs", "chunked_reqs", "inflight_reqs", "live_reqs", "num_prealloc", "num_transfer",
+         "waiting_reqs", "chunked_reqs", "parked_reqs", "inflight_reqs", "live_reqs", "num_prealloc", "num_transfer",
          "num_waiting", "num_running", "num_retracted", "num_draining")
 _IDLE_CHECKED = {*_LIVE, "free_req_slots", "aux_free_slots", "integrity"}
 
@@ -81,20 +81,23 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo_ttft_ms: 
         "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefill_answer_ms": distribution_ms([r.prefill_s for r in ok if r.prefill_s is not None]),
         "stages_ms": stage_breakdown(ok),
+        "prefill_stages_ms": stage_breakdown(ok, nested="prefill"),
         "goodput": {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good_requests": len(good),
                     "request_goodput": round(len(good) / dur, 4)},
     }
 
 
-def stage_breakdown(ok: Sequence[RequestResult]) -> dict[str, dict[str, float]]:
+def stage_breakdown(ok: Sequence[RequestResult], nested: str | None = None) -> dict[str, dict[str, float]]:
     """mean/p50/p90/p99/max of each timeline stage over the requests that report one, in the
-    stages' own order (empty when the server sends no timelines)."""
+    stages' own order (empty when the server sends no timelines). ``nested="prefill"``: the
+    prefill's stages, which ran inside the decode's prealloc + kv_transfer."""
+    per_req = [r.prefill_stages_ms if nested == "prefill" else r.stages_ms for r in ok]
     names: dict[str, None] = {}
-    for r in ok:
-        names.update(dict.fromkeys(r.stages_ms))
+    for st in per_req:
+        names.update(dict.fromkeys(st))
     out = {}
     for name in names:
-        d = distribution_ms([r.stages_ms[name] / 1000.0 for r in ok if name in r.stages_ms])
+        d = distribution_ms([st[name] / 1000.0 for st in per_req if name in st])
         if d is not None:
             out[name] = d
     return out
@@ -221,4 +224,8 @@ def format_report(summary: dict) -> str:
         lines.append("stage timeline (ms, per request)")
         for name, d in s["stages_ms"].items():
             lines.append(f"  {name:<18}" + "".join(f"{d[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99", "max")))
+    if s.get("prefill_stages_ms"):
+        lines.append("  the prefill's, within the decode's prealloc + kv_transfer")
+        for name, d in s["prefill_stages_ms"].items():
+            lines.append(f"  prefill.{name:<10}" + "".join(f"{d[k]:>10.2f}" for k in ("mean", "p50", "p90", "p99", "max")))
     return "\n".join(lines)

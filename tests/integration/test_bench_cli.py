@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from common.timeline import PREFILL_STAGES
 from common.tools import bench_plots
 from common.tools import bench_report as report
 from common.tools.bench_workload import make_workload
@@ -144,6 +145,17 @@ def check_plots(doc: dict, router: bool) -> None:
     assert list(st)[1:3] == first and list(doc["summary"]["stages_ms"])[:2] == first
     for r in reqs:  # every request's stages add up to the time the server saw it (<= the client's E2E)
         assert 0 < sum(r["stages_ms"].values()) <= r["e2e_s"] * 1000.0 + 1.0
+    if router:  # the prefill's stages, nested by the router, ran inside the decode's wait for the KV
+        assert list(doc["summary"]["prefill_stages_ms"]) == ["api_in", *PREFILL_STAGES, "api_out"]
+        # The router does not hold a decode's last frame for the prefill's answer: a request that
+        # ends before that answer arrived has no prefill stages.
+        with_prefill = [r for r in reqs if r["prefill_stages_ms"]]
+        assert with_prefill
+        for r in with_prefill:
+            wait = sum(r["stages_ms"][k] for k in ("decode_hop", "decode.api_in", "decode.prealloc", "decode.kv_transfer"))
+            assert 0 < sum(r["prefill_stages_ms"].values()) - r["prefill_stages_ms"]["api_out"] <= wait + 1.0, r
+    else:
+        assert doc["summary"]["prefill_stages_ms"] == {}
 
 
 @pytest.fixture(scope="module")
