@@ -94,8 +94,13 @@ class SchedulerConfig:
     # Decode: a streamed request's output goes out every this many tokens (SGLang's and vLLM's
     # --stream-interval); its first token and its end always go at once.
     stream_interval: int = 1
+    # Prefill: share of the KV pool that prompts computed before their decode said where to write
+    # may hold (prefill_node/scheduler.py, "Computing ahead"); 0: wait for the decode first.
+    compute_ahead_fraction: float = 0.25
 
     def validate(self) -> None:
+        if not 0.0 <= self.compute_ahead_fraction <= 1.0:
+            raise ConfigError(f"--compute-ahead-fraction must be in [0, 1], got {self.compute_ahead_fraction}")
         if self.stream_interval < 1:
             raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.schedule_policy not in ("fcfs", "lpm"):

@@ -37,10 +37,14 @@ class StageTimes(msgspec.Struct, kw_only=True):
 class StageClock:
     """Consecutive laps of one request in a scheduler (wall clock, see the module docstring)."""
 
-    __slots__ = ("role", "received_at", "_last", "stages", "forwards")
+    __slots__ = ("role", "received_at", "_last", "stages", "forwards", "order")
 
     def __init__(self, role: str, now: float | None = None) -> None:
         self.role = role
+        # Stages reported in this order, 0 where a request never lapped one (a prompt computed
+        # ahead of its decode's answer laps bootstrap after its forward, or not at all); others
+        # follow in the order they were first lapped.
+        self.order: tuple[str, ...] = ()
         self.received_at = self._last = time.time() if now is None else now
         self.stages: dict[str, float] = {}
         self.forwards = 0
@@ -52,7 +56,8 @@ class StageClock:
         self._last = now
 
     def times(self) -> StageTimes:
-        return StageTimes(role=self.role, received_at=self.received_at, stages=dict(self.stages), forwards=self.forwards)
+        stages = {k: self.stages.get(k, 0.0) for k in self.order} | self.stages
+        return StageTimes(role=self.role, received_at=self.received_at, stages=stages, forwards=self.forwards)
 
 
 def node_timeline(times: StageTimes, arrival: float, now: float | None = None) -> dict:

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=SchedulerConfig.max_prefill_tokens,
                    help=f"most prompt tokens per forward {d}")
     p.add_argument("--schedule-policy", default="fcfs", choices=("fcfs", "lpm"), help=f"waiting queue order {d}")
+    p.add_argument("--compute-ahead-fraction", type=float, default=SchedulerConfig.compute_ahead_fraction,
+                   help="share of the KV pool that prompts computed before their decode has said where to "
+                        f"write them may hold; 0: compute a prompt only once its decode has answered {d}")
     p.add_argument("--disable-radix-cache", action="store_true", help="turn the prefix cache off")
     add_kv_events_flags(p)
     return p
@@ -48,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> NodeConfig:
     return role_config("prefill", ns, prefix_cache=not ns.disable_radix_cache,
                        sched=SchedulerConfig(chunked_prefill_size=ns.chunked_prefill_size,
-                                             max_prefill_tokens=ns.max_prefill_tokens, schedule_policy=ns.schedule_policy))
+                                             max_prefill_tokens=ns.max_prefill_tokens, schedule_policy=ns.schedule_policy,
+                                             compute_ahead_fraction=ns.compute_ahead_fraction))
 
 
 class Registry:

@@ -73,6 +73,7 @@ class PrefillPart:
             transfer_timeout_s=self.transfer.waiting_timeout_s,
             aux_top_k=self.transfer.aux_top_k,
             context_len=runner.context_length,
+            ahead_pages=int(self.sched.compute_ahead_fraction * runner.memory.allocator.num_total),
         )
         from common.engine.model_runner import page_digests
 

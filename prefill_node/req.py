@@ -5,9 +5,15 @@ logic that moves requests, and the replies they end with, are ``prefill_node.sch
 
     queue       a request there ...                                      holds
     bootstrap   has a sender; the decode has not said where to write     sender
+                (may still be admitted ahead, see below)
     waiting     may be admitted (row + cached prefix + prompt pages)     sender (none if local)
     chunked     is part-way through its prompt (at most one request)     sender, KV
+    parked      is computed, but the decode has not said where to write  sender, KV
     inflight    is computed or ended early; its room is not terminal     sender, KV
+
+A request admitted from ``bootstrap`` (computed ahead of the decode's answer) sends nothing until
+the decode has said where to write: its chunks wait in its pages, and a whole prompt waits in
+``parked``; both send everything computed so far once the room leaves Bootstrapping.
 
 Every live request is in ``PrefillQueues.reqs`` and in exactly one queue or, for the moment
 between being taken out of one queue and placed in the next, in a local list of the step that
@@ -35,6 +41,7 @@ class PrefillReq:
     sender: KVSender | None
     kv: ReqKV | None = None  # row + pages, from admission until the single release
     sent_pages: int = 0  # pages [0, sent_pages) of kv.pages were handed to the sender
+    ahead: bool = False  # admitted before the decode said where to write (until it has)
     first: SampledToken | None = None
     inflight_since: float | None = None  # entered the inflight queue (transfer timeout clock)
     abort_reason: str | None = None  # set when it ended early: the reply is an abort, not a success
@@ -92,11 +99,12 @@ class PrefillQueues:
         self.bootstrap: list[PrefillReq] = []
         self.waiting: list[PrefillReq] = []
         self.chunked: PrefillReq | None = None
+        self.parked: list[PrefillReq] = []
         self.inflight: list[PrefillReq] = []
         self.reqs: dict[str, PrefillReq] = {}  # every live request, by rid
 
     def queued(self) -> list[PrefillReq]:
-        return [*self.bootstrap, *self.waiting, *self.inflight, *([self.chunked] if self.chunked else [])]
+        return [*self.bootstrap, *self.waiting, *self.parked, *self.inflight, *([self.chunked] if self.chunked else [])]
 
     def strays(self) -> list[PrefillReq]:
         """Live requests in no queue (only an exception that escaped a step leaves one so)."""
@@ -107,13 +115,13 @@ class PrefillQueues:
         """Take ``req`` out of whichever queue holds it (it stays live, in ``reqs``)."""
         if self.chunked is req:
             self.chunked = None
-        for q in (self.bootstrap, self.waiting, self.inflight):
+        for q in (self.bootstrap, self.waiting, self.parked, self.inflight):
             if req in q:
                 q.remove(req)
 
     def to_inflight(self, req: PrefillReq, since: float) -> None:
-        """Out of ``bootstrap``/``waiting``/``chunked`` into ``inflight`` (kept in place if there)."""
-        for q in (self.bootstrap, self.waiting):
+        """Out of ``bootstrap``/``waiting``/``chunked``/``parked`` into ``inflight`` (kept in place if there)."""
+        for q in (self.bootstrap, self.waiting, self.parked):
             if req in q:
                 q.remove(req)
         if self.chunked is req:
@@ -138,6 +146,7 @@ class PrefillQueues:
         assert len(rows) == len(set(rows)), "two requests share a request row"
         assert memory.req_to_token.num_used == len(rows), "request rows leaked"
         assert all(r.kv is None for r in [*self.bootstrap, *self.waiting]), "a queued request holds KV"
+        assert all(r.kv is not None and r.computed == r.prompt_len for r in self.parked), "a parked request is not computed"
         if not queues:
             alloc, cache = memory.allocator, memory.cache
             assert alloc.num_used == cache.total_pages(), (

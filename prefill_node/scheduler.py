@@ -3,20 +3,32 @@
 Lifecycle of one request (queues are FIFO lists in ``PrefillQueues``; every arrow happens inside ``step``)::
 
     GenerateReq --receive--> bootstrap --poll: WaitingForInput--> waiting
-      bad input: 400 reply      sender created; the decode          |  prefill adder: budgets + policy;
-      (no pool touched)         has not said where to write yet     |  admit = row + cached prefix +
-                                                                    v  pages for the whole prompt
-                             chunked <--more prompt left-------- forward
-                             (goes first next step)                 |  every chunk: its finished pages
-                                                                    |  -> sender.send (non-blocking)
-                                                                    |  last chunk: first token sampled,
-                                                                    v  aux (token, logprobs, cached,
-                                                                       the KV's digest) too
-                                                                 inflight --poll: Success/Failed--> release, reply
-                                                                    (no terminal state within
-                                                                     transfer_timeout_s: sender.abort)
+      bad input: 400 reply      sender created; the decode   |               |  prefill adder: budgets + policy;
+      (no pool touched)         has not said where to write  | computed      |  admit = row + cached prefix +
+                                yet                          | ahead         v  pages for the whole prompt
+                                                             +-----------> forward <-- chunked (more prompt
+                                                                             |          left; goes first
+                                                                             |          next step)
+                                                                             |  every chunk: its finished pages
+                                                                             |  -> sender.send (non-blocking)
+                                                                             |  last chunk: first token sampled,
+                                                                             v  aux (token, logprobs, cached,
+                                                                                the KV's digest) too
+                             parked --poll: WaitingForInput--> inflight --poll: Success/Failed--> release, reply
+        (computed ahead; the decode has     send it all         (no terminal state within
+         not said where to write yet)                            transfer_timeout_s: sender.abort)
 
-    Failed seen in bootstrap / waiting / chunked       -> released and answered at once (503)
+    Computing ahead (``ahead_pages`` > 0): once every waiting request that fits is in the batch,
+    requests still in ``bootstrap`` join it in arrival order, while the pages held by requests
+    computed ahead stay within ``ahead_pages``. The decode's pre-allocation and the prefill's
+    forward then overlap instead of following each other. Such a request sends nothing until its
+    room leaves Bootstrapping (the decode's page list and its own cached prefix come with it);
+    then its next chunk, or ``parked``, sends everything computed so far. Waiting requests always
+    go first, so computing ahead only fills room a forward would otherwise leave empty, and the
+    cap bounds what a slow decode can make this node hold.
+
+    Failed seen in bootstrap / waiting / chunked /
+    parked                                             -> released and answered at once (503)
     grammar (json_schema / regex / ebnf)               -> compiled off the loop from arrival on; a waiting
                                                           request is admitted only once it is ready (the
                                                           batch runs without it meanwhile), and the last
@@ -55,6 +67,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.request import FinishReason
 from common.sched.stop import StopChecker
+from common.timeline import PREFILL_STAGES
 from prefill_node.admission import Policy, PrefillAdder, PrefillBudget, order_waiting
 from prefill_node.ports import ExtendEngine, SenderFactory
 from prefill_node.req import PrefillCounters, PrefillQueues, PrefillReq
@@ -78,6 +91,9 @@ class PrefillSchedConfig:
     # The model's context length: a prompt this long leaves no room for a token (the API's rule).
     # None: only the request row (the context length rounded up to whole pages) bounds it.
     context_len: int | None
+    # Most KV pages held by requests computed before their decode said where to write (the
+    # module docstring); 0: a request waits for its decode before it is computed, as in SGLang.
+    ahead_pages: int
 
 
 class PrefillScheduler:
@@ -97,6 +113,7 @@ class PrefillScheduler:
         for msg in msgs:
             self._receive(msg)
         self._poll_bootstrap()
+        self._poll_parked()
         self._drop_failed()
         # Finished transfers release before scheduling so this step's batch can use their pages
         # (a chunk sent by this step's forward is polled from the next step on).
@@ -112,7 +129,10 @@ class PrefillScheduler:
     def runnable(self) -> bool:
         """A forward is likely next step (else the loop may wait on its socket a little)."""
         q = self.queues
-        return q.chunked is not None or (bool(q.waiting) and not self.stalled)
+        return q.chunked is not None or ((bool(q.waiting) or self._may_compute_ahead()) and not self.stalled)
+
+    def _may_compute_ahead(self) -> bool:
+        return bool(self.queues.bootstrap) and self.cfg.ahead_pages > 0
 
     def idle(self) -> bool:
         """Nothing in flight: the loop may wait longest for input."""
@@ -153,6 +173,8 @@ class PrefillScheduler:
             self.outbox.append(failed(msg.rid, f"{where}: {error}", status, len(msg.input_ids)))
             return
         req = PrefillReq(msg.rid, msg.bootstrap_room, list(msg.input_ids), msg.sampling, sender)
+        if sender is not None:
+            req.clock.order = PREFILL_STAGES
         spec = spec_of(msg.sampling)
         if error is None and spec is not None:
             if self.grammars is None:
@@ -187,6 +209,24 @@ class PrefillScheduler:
                 else:  # WaitingForInput: the decode said where to write
                     req.clock.lap("bootstrap")
                     q.waiting.append(req)
+
+    def _poll_parked(self) -> None:
+        """Requests computed ahead whose decode has now said where to write: send it all."""
+        q = self.queues
+        pending, q.parked = q.parked, []
+        now = self.clock()
+        for req in pending:
+            with self._guard(req, "parked poll"):
+                state = req.sender.poll()  # type: ignore[union-attr]  # parked requests have senders
+                if state is KVPoll.Bootstrapping:
+                    q.parked.append(req)
+                elif state is KVPoll.Failed:
+                    self._finish(req, room_ended(req, state))
+                else:
+                    req.ahead = False
+                    req.clock.lap("bootstrap")  # computed, then waited this long for the decode
+                    if self._send(req, True):
+                        q.park_inflight(req, now)
 
     def _drop_failed(self) -> None:
         """A room can fail before its forward (decode gave up, aborted, was refused): free it now."""
@@ -232,25 +272,42 @@ class PrefillScheduler:
         batch: list[tuple[PrefillReq, int]] = []
         if q.chunked is not None:
             batch.append((q.chunked, adder.add_chunked(q.chunked.prompt_len - q.chunked.computed)))
-        if adder.closed or not q.waiting:
+        if adder.closed or not (q.waiting or self._may_compute_ahead()):
             return batch
 
         prefix_len = peek_prefix_len(mem.cache)  # read-only: most waiting requests are not admitted
         now = self.clock()
         for req in order_waiting(q.waiting, self.cfg.policy, prefix_len):
-            if req.grammar is not None and req.grammar.poll(now) != "ready":
-                continue  # its grammar is compiling (or failed: dropped next step); the batch goes on
-            try:
-                n = self._admit(req, adder, prefix_len(req))
-            except Exception as exc:  # the adder may be half-updated: stop adding this step
-                self._request_error(req, "admission", exc)
-                break
-            if n is None:
-                break
-            batch.append((req, n))
-            if adder.closed:
-                break
+            if not self._add(req, adder, prefix_len, now, batch):
+                return batch
+        if self._may_compute_ahead():
+            ahead = sum(len(r.kv.pages) for r in q.reqs.values() if r.ahead and r.kv is not None)
+            for req in list(q.bootstrap):  # arrival order
+                need = mem.pages_for(req.prompt_len)
+                if ahead + need > self.cfg.ahead_pages:
+                    break
+                admitted = len(batch)
+                go_on = self._add(req, adder, prefix_len, now, batch)
+                if len(batch) > admitted:
+                    req.ahead, ahead = True, ahead + need
+                if not go_on:
+                    break
         return batch
+
+    def _add(self, req: PrefillReq, adder: PrefillAdder, prefix_len: Callable[[PrefillReq], int], now: float,
+             batch: list[tuple[PrefillReq, int]]) -> bool:
+        """Admit ``req`` into ``batch`` if it fits; False: stop adding this step."""
+        if req.grammar is not None and req.grammar.poll(now) != "ready":
+            return True  # its grammar is compiling (or failed: dropped next step); the batch goes on
+        try:
+            n = self._admit(req, adder, prefix_len(req))
+        except Exception as exc:  # the adder may be half-updated: stop adding this step
+            self._request_error(req, "admission", exc)
+            return False
+        if n is None:
+            return False
+        batch.append((req, n))
+        return not adder.closed
 
     def _admit(self, req: PrefillReq, adder: PrefillAdder, cached_guess: int) -> int | None:
         """Row + cached prefix + pages for the whole prompt, all or nothing; the request leaves
@@ -273,7 +330,7 @@ class PrefillScheduler:
         if not fits:
             mem.release(kv, None)  # unlock; nothing was computed
             return None
-        self.queues.waiting.remove(req)
+        self.queues.remove(req)  # from waiting, or from bootstrap when computed ahead
         req.kv = kv
         return n
 
@@ -320,6 +377,14 @@ class PrefillScheduler:
                 self.counters.prompt_tokens += n
                 last = req.kv.kv_len == req.prompt_len
                 req.first = tok if last else None
+                if req.ahead and req.sender is not None and req.sender.poll() is not KVPoll.Bootstrapping:
+                    req.ahead = False  # the decode answered meanwhile: send as usual from here on
+                if req.ahead:  # nowhere to write yet: the chunk waits in its pages
+                    if not last:
+                        self.queues.chunked = req
+                    else:
+                        self.queues.parked.append(req)
+                    continue
                 if req.sender is not None and not self._send(req, last):
                     continue  # ended early by a send error
                 if not last:

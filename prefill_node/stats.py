@@ -65,6 +65,7 @@ class PrefillStats:
             "bootstrap_reqs": len(q.bootstrap),
             "waiting_reqs": len(q.waiting),
             "chunked_reqs": int(q.chunked is not None),
+            "parked_reqs": len(q.parked),  # computed ahead; their decode has not answered yet
             "inflight_reqs": len(q.inflight),
             "live_reqs": len(q.reqs),
             "transfer_rooms": self._rooms(),
@@ -75,7 +76,7 @@ class PrefillStats:
         mem = s.memory
         total = mem.allocator.num_total
         return {
-            "num_running_reqs": float(len(q.inflight) + (q.chunked is not None)),
+            "num_running_reqs": float(len(q.inflight) + len(q.parked) + (q.chunked is not None)),
             "num_waiting_reqs": float(len(q.bootstrap) + len(q.waiting)),
             "num_bootstrap_reqs": float(len(q.bootstrap)),
             "num_transfer_reqs": float(len(q.inflight)),

@@ -181,9 +181,10 @@ def test_abort_while_waiting_for_the_decode_releases_everything(node: PrefillNod
     t = threading.Thread(target=lambda: result.__setitem__("r", post(node, {**body(peer.new_room(), [5] * 30), "rid": rid})))
     t.start()
     deadline = time.monotonic() + 5
-    while node.get("/debug/memory")["bootstrap_reqs"] == 0 and time.monotonic() < deadline:
+    # Computed ahead (the node's default --compute-ahead-fraction), it waits for the decode parked.
+    while node.get("/debug/memory")["parked_reqs"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert node.get("/get_load")[0]["num_waiting_reqs"] == 1
+    assert node.get("/debug/memory")["parked_reqs"] == 1 and node.get("/get_load")[0]["num_reqs"] == 1
     r = httpx.post(f"{node.url}/abort_request", json={"rid": rid}, timeout=5)
     assert r.status_code == 200 and r.json() == {"aborted": [rid]}
     t.join(10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.ipc.protocol import AbortReq
 from common.sched.stop import StopChecker
 from tests.unit.test_prefill_scheduler import Node, gen, prompt, token_for
 from transfer.aux import AuxRecord
@@ -179,6 +180,109 @@ def test_kv_capacity_counts_pages_held_by_transfers() -> None:
     node.sender(2).state = KVPoll.Success
     node.step()
     node.assert_idle()
+
+
+# ---- computing ahead of the decode's answer ------------------------------------------------
+
+
+def test_a_prompt_computed_ahead_waits_parked_then_sends_it_all_once() -> None:
+    node = Node(page_size=4, ahead_pages=8)
+    ids = prompt(10)
+    node.step(gen("a", ids, room=1))
+    q, s = node.sched.queues, node.sender(1)
+    assert [r.rid for r in q.parked] == ["a"] and s.sent == [], "computed, but nowhere to write yet"
+    kv = q.parked[0].kv
+    assert kv is not None and node.engine.calls == [[(kv.row, ids, 0, True)]]
+    assert node.stats.memory()["parked_reqs"] == 1 and node.stats.metrics()["num_running_reqs"] == 1.0
+    node.now += 0.5
+    assert node.step() == [] and s.sent == [], "the decode has not answered"
+    s.prefix_len = 4  # the decode's own cache holds the first page
+    node.ready(1)
+    node.step()
+    assert s.sent == [(kv.pages[1:], True, AuxRecord(room=1, token_id=token_for(ids), cached_tokens=0, logprob=0.0,
+                                                     top_ids=(), top_logprobs=()))]
+    assert [r.rid for r in q.inflight] == ["a"] and not q.parked
+    assert len(node.engine.calls) == 1, "computed once"
+    s.state = KVPoll.Success
+    (out,) = node.step()
+    assert out.error is None and out.timeline is not None
+    st = out.timeline.stages
+    assert list(st) == ["bootstrap", "queue", "forward", "transfer"], "the stages' order, whatever came first"
+    node.assert_idle()
+
+
+@pytest.mark.parametrize("length,chunk,ready_after", [(14, 4, 2), (14, 4, 0), (16, 8, 1), (7, 3, 3)])
+def test_chunks_computed_ahead_go_out_with_the_first_chunk_after_the_answer(length: int, chunk: int,
+                                                                            ready_after: int) -> None:
+    """Chunks computed before the decode answered wait in their pages; the first send after the
+    answer carries all of them, and every page goes exactly once, in order."""
+    node = Node(page_size=4, chunk=chunk, ahead_pages=16)
+    node.step(gen("a", prompt(length), room=1))
+    s = node.sender(1)
+    for _ in range(ready_after):
+        node.step()
+    assert s.sent == []
+    node.ready(1)
+    for _ in range(10):
+        if not node.sched.queues.chunked and not node.sched.queues.parked:
+            break
+        node.step()
+    (req,) = node.sched.queues.inflight
+    assert req.kv is not None and s.pages == req.kv.pages and s.sent[-1][1] and s.sent[-1][2] is not None
+    assert len(node.engine.calls) == -(-length // chunk), "every chunk computed once"
+    s.state = KVPoll.Success
+    node.step()
+    node.assert_idle()
+
+
+def test_computing_ahead_keeps_within_its_pages_and_after_the_answered_prompts() -> None:
+    node = Node(page_size=4, ahead_pages=6, max_tokens=20)
+    node.step(gen("a", prompt(10, base=1), room=1), gen("b", prompt(10, base=2), room=2),
+              gen("c", prompt(10, base=3), room=3))
+    q = node.sched.queues
+    assert [r.rid for r in q.parked] == ["a", "b"] and [r.rid for r in q.bootstrap] == ["c"], "3 + 3 pages, not 9"
+    node.step()
+    assert [r.rid for r in q.bootstrap] == ["c"] and len(node.engine.calls) == 1, "the cap holds on later steps"
+    node.ready(1)
+    node.step()  # a is sent: its pages no longer count against the cap
+    assert [r.rid for r in q.parked] == ["b", "c"] and len(node.engine.calls) == 2
+    # An answered prompt goes before one computed ahead: the budget (20 tokens) fits two of 10.
+    node.step(gen("d", prompt(10, base=4), room=4), gen("e", prompt(10, base=5), room=5),
+              gen("f", prompt(10, base=6), room=6))
+    node.ready(2, 3)  # b and c leave parked, so the cap has room for two again
+    node.step()
+    assert [r.rid for r in q.bootstrap] == ["f"] and {r.rid for r in q.parked} == {"d", "e"}
+    node.ready(6)
+    node.step(gen("g", prompt(10, base=7), room=7))
+    assert [c[0][1] for c in node.engine.calls[-1:]] == [prompt(10, base=6)], "f (answered) before g (ahead)"
+    for room in range(1, 8):
+        if node.sender(room).state is KVPoll.Bootstrapping:
+            node.ready(room)
+    for _ in range(6):
+        node.step()
+        for room in range(1, 8):
+            if node.sender(room).state is KVPoll.Transferring:
+                node.sender(room).state = KVPoll.Success
+    node.step()
+    assert set(node.replies) == set("abcdefg") and all(o.error is None for o in node.replies.values())
+    node.assert_idle()
+
+
+@pytest.mark.parametrize("how", ["fail", "abort"])
+def test_a_parked_prompt_whose_room_ends_is_released_once(how: str) -> None:
+    node = Node(page_size=4, ahead_pages=8)
+    node.step(gen("a", prompt(10), room=1))
+    assert node.sched.queues.parked
+    if how == "fail":
+        node.sender(1).fail("decode gave up")
+        (out,) = node.step()
+        assert out.http_status == 503 and out.error is not None and "decode gave up" in out.error
+    else:
+        (out,) = node.step(AbortReq(rid="a"))
+        assert out.finish is not None and out.finish.type == "abort" and out.http_status is None
+    assert node.sender(1).sent == []
+    node.assert_idle()
+    assert node.stats.memory()["cached_pages"] == 2, "its computed full pages still serve later prompts"
 
 
 # ---- local requests, flushing the cache -----------------------------------------------------

@@ -26,9 +26,11 @@ EVENT = st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(events=st.lists(EVENT, max_size=40), page_size=st.sampled_from([1, 4]), chunk=st.sampled_from([None, 3, 8]))
-def test_any_interleaving_releases_everything_exactly_once(events: list, page_size: int, chunk: int | None) -> None:
-    node = Node(page_size=page_size, pages=24, rows=4, chunk=chunk, max_tokens=16)
+@given(events=st.lists(EVENT, max_size=40), page_size=st.sampled_from([1, 4]), chunk=st.sampled_from([None, 3, 8]),
+       ahead=st.sampled_from([0, 6, 24]))
+def test_any_interleaving_releases_everything_exactly_once(events: list, page_size: int, chunk: int | None,
+                                                           ahead: int) -> None:
+    node = Node(page_size=page_size, pages=24, rows=4, chunk=chunk, max_tokens=16, ahead_pages=ahead)
     rooms: list[int] = []  # accepted rooms
     sent = 0
     for kind, a, b in events:

@@ -121,13 +121,14 @@ def token_for(prompt: list[int]) -> int:
 
 class Node:
     def __init__(self, page_size: int = 4, pages: int = 64, rows: int = 8, ctx: int = 256, max_tokens: int = 64,
-                 chunk: int | None = None, policy: str = "fcfs", timeout_s: float = 5.0) -> None:
+                 chunk: int | None = None, policy: str = "fcfs", timeout_s: float = 5.0, ahead_pages: int = 0) -> None:
         alloc = PageAllocator(pages + 1)  # + the reserved page 0
         self.memory = KVMemory(alloc, ReqToTokenPool(rows, ctx, "cpu"), RadixCache(alloc, page_size), page_size)
         self.engine = StubEngine()
         self.senders = Senders()
         self.now = 0.0
-        cfg = PrefillSchedConfig(PrefillBudget(max_tokens, chunk), policy, timeout_s, aux_top_k=2, context_len=None)  # type: ignore[arg-type]
+        cfg = PrefillSchedConfig(PrefillBudget(max_tokens, chunk), policy, timeout_s, aux_top_k=2,  # type: ignore[arg-type]
+                                 context_len=None, ahead_pages=ahead_pages)
         self.sched = PrefillScheduler(self.engine, self.memory, self.senders, StopChecker([EOS]), cfg, clock=lambda: self.now)
         self.stats = PrefillStats(self.sched)
         self.replies: dict[str, ReqOutput] = {}
