@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -269,3 +270,46 @@ def test_multiturn_conversations_reuse_the_decode_cache_and_match_hf(pd_cluster:
     assert flushed["success"], flushed
     mem = memory(d)
     assert mem["cached_pages"] == 0 and mem["free_pages"] == mem["total_pages"], mem
+
+
+def test_a_prompt_computed_before_the_decode_hears_of_it_matches_hf(pd_cluster: Cluster) -> None:
+    """The prefill computes a prompt while its decode has not answered (the default
+    --compute-ahead-fraction): the request is sent to the prefill alone first and waits there
+    parked, its KV in the prefill's pages. Only then does the decode get its half; the KV goes out
+    once the decode said where to write, over real Mooncake, and the answer equals HF greedy. On
+    the llama pair the second turn is parked too and only the pages past the decode's own cached
+    prefix cross the wire: the decode's reuse is known to the prefill only from its answer."""
+    import httpx
+
+    from tests.e2e.cluster import metric
+
+    p_url, d_url, ps = pd_cluster.prefill.url, pd_cluster.decode.url, 16
+    reuse = "llama" in pd_cluster.model_dir
+    vocab = _tokenizer(pd_cluster.model_dir).vocab_size
+    rng = random.Random(41)
+    prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(40, 60))]
+    cached_upto = 0
+    for turn in range(2):
+        n = 6
+        what = f"turn {turn} prompt_len={len(prompt)}"
+        body = pd_cluster.body({"input_ids": prompt,
+                                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+        sent_before = metric(d_url, "pdc_decode_transferred_tokens_total")
+        with ThreadPoolExecutor(1) as ex:
+            p = ex.submit(httpx.post, p_url + "/generate", json={**body, "stream": True}, timeout=60)
+            deadline = time.monotonic() + 20
+            while memory(p_url)["parked_reqs"] != 1:
+                assert time.monotonic() < deadline and not p.done(), (what, memory(p_url))
+                time.sleep(0.02)
+            d = httpx.post(d_url + "/generate", json=body, timeout=60)
+            assert d.status_code == 200 and p.result().status_code == 200, (what, d.text)
+        got, meta = d.json()["output_ids"], d.json()["meta_info"]
+        check_greedy(pd_cluster.model_dir, prompt, got, n, what)
+        want_reused = min(cached_upto, (len(prompt) - 1) // ps * ps) if reuse else 0
+        assert meta["decode_reused_tokens"] == want_reused, (what, meta)
+        assert metric(d_url, "pdc_decode_transferred_tokens_total") - sent_before == len(prompt) - want_reused, what
+        cached_upto = (len(prompt) + len(got) - 1) // ps * ps
+        prompt = prompt + got + [rng.randrange(3, vocab) for _ in range(10)]
+    if reuse:
+        assert cached_upto > 0 and want_reused > 0, "the second turn reused the decode's cache"
+    pd_cluster.wait_idle()
