@@ -24,8 +24,11 @@ Lifecycle of one request (queues are FIFO lists in ``PrefillQueues``; every arro
     forward then overlap instead of following each other. Such a request sends nothing until its
     room leaves Bootstrapping (the decode's page list and its own cached prefix come with it);
     then its next chunk, or ``parked``, sends everything computed so far. Waiting requests always
-    go first, so computing ahead only fills room a forward would otherwise leave empty, and the
-    cap bounds what a slow decode can make this node hold.
+    go first, so computing ahead only fills room a forward would otherwise leave empty. The cap
+    bounds what a slow decode can make this node hold, and leaves the rest of the pool to
+    requests whose decode has answered: parked requests wait for decodes that may themselves wait
+    for memory, so without it a full pool of them could hold back the prompts those decodes have
+    already made room for, until bootstrap timeouts broke the cycle.
 
     Failed seen in bootstrap / waiting / chunked /
     parked                                             -> released and answered at once (503)
