@@ -116,7 +116,6 @@ class PrefillScheduler:
         for msg in msgs:
             self._receive(msg)
         self._poll_bootstrap()
-        self._poll_parked()
         self._drop_failed()
         # Finished transfers release before scheduling so this step's batch can use their pages
         # (a chunk sent by this step's forward is polled from the next step on).
@@ -200,36 +199,35 @@ class PrefillScheduler:
     # alone (``_request_error``) and can neither drop the others nor leave one in two places.
 
     def _poll_bootstrap(self) -> None:
-        q = self.queues
-        pending, q.bootstrap = q.bootstrap, []
-        for req in pending:
-            with self._guard(req, "bootstrap poll"):
-                state = req.sender.poll()  # type: ignore[union-attr]  # bootstrap requests have senders
-                if state is KVPoll.Bootstrapping:
-                    q.bootstrap.append(req)
-                elif state is KVPoll.Failed:
-                    self._finish(req, room_ended(req, state))
-                else:  # WaitingForInput: the decode said where to write
-                    req.clock.lap("bootstrap")
-                    q.waiting.append(req)
+        self._poll_answers("bootstrap", self._answered)
+        self._poll_answers("parked", self._answered_parked)
 
-    def _poll_parked(self) -> None:
-        """Requests computed ahead whose decode has now said where to write: send it all."""
+    def _poll_answers(self, queue: str, answered: Callable[[PrefillReq], None]) -> None:
+        """Requests in ``queue`` wait for their decode's answer: still Bootstrapping stays, Failed is
+        released and answered, WaitingForInput (the decode said where to write) goes to ``answered``."""
         q = self.queues
-        pending, q.parked = q.parked, []
-        now = self.clock()
+        pending = getattr(q, queue)
+        setattr(q, queue, [])
         for req in pending:
-            with self._guard(req, "parked poll"):
-                state = req.sender.poll()  # type: ignore[union-attr]  # parked requests have senders
+            with self._guard(req, f"{queue} poll"):
+                state = req.sender.poll()  # type: ignore[union-attr]  # these requests have senders
                 if state is KVPoll.Bootstrapping:
-                    q.parked.append(req)
+                    getattr(q, queue).append(req)
                 elif state is KVPoll.Failed:
                     self._finish(req, room_ended(req, state))
                 else:
-                    req.ahead = False
-                    req.clock.lap("bootstrap")  # computed, then waited this long for the decode
-                    if self._send(req, True):
-                        q.park_inflight(req, now)
+                    answered(req)
+
+    def _answered(self, req: PrefillReq) -> None:
+        req.clock.lap("bootstrap")
+        self.queues.waiting.append(req)
+
+    def _answered_parked(self, req: PrefillReq) -> None:
+        """Computed ahead: send it all now."""
+        req.ahead = False
+        req.clock.lap("bootstrap")  # computed, then waited this long for the decode
+        if self._send(req, True):
+            self.queues.park_inflight(req, self.clock())
 
     def _drop_failed(self) -> None:
         """A room can fail before its forward (decode gave up, aborted, was refused): free it now."""
