@@ -43,13 +43,13 @@ CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline
 # (label on the page, key in the node's /debug/memory), in the order a request passes them.
 QUEUES = {
     "prefill": (("bootstrap", "bootstrap_reqs"), ("waiting", "waiting_reqs"), ("chunked", "chunked_reqs"),
-                ("transferring", "inflight_reqs")),
+                ("parked", "parked_reqs"), ("transferring", "inflight_reqs")),
     "decode": (("prealloc", "num_prealloc"), ("transfer", "num_transfer"), ("waiting", "num_waiting"),
                ("running", "num_running"), ("retracted", "num_retracted"), ("draining", "num_draining")),
 }
 # The queue whose requests have KV on the wire (prefill: being sent; decode: being received).
 TRANSFER_QUEUE = {"prefill": "inflight_reqs", "decode": "num_transfer"}
-RUNNING = {"prefill": ("inflight_reqs", "chunked_reqs"), "decode": ("num_running",)}
+RUNNING = {"prefill": ("inflight_reqs", "chunked_reqs", "parked_reqs"), "decode": ("num_running",)}
 
 
 class RouterLike(Protocol):

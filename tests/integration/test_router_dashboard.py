@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 FRAMES = 5
 FRAME_GAP_S = 0.02
 PREFILL_MEM = {"page_size": 16, "total_pages": 100, "free_pages": 70, "cached_pages": 20, "used_pages": 10,
-               "bootstrap_reqs": 1, "waiting_reqs": 2, "chunked_reqs": 0, "inflight_reqs": 3, "transfer_rooms": 4}
+               "bootstrap_reqs": 1, "waiting_reqs": 2, "chunked_reqs": 0, "parked_reqs": 5, "inflight_reqs": 3,
+               "transfer_rooms": 4}
 DECODE_MEM = {"page_size": 16, "total_pages": 200, "free_pages": 150, "cached_pages": 0, "used_pages": 50,
               "num_prealloc": 1, "num_transfer": 2, "num_waiting": 0, "num_running": 5, "num_retracted": 0,
               "num_draining": 0, "transfer_rooms": 3, "integrity": "ok"}
@@ -134,8 +135,8 @@ def test_data_lists_every_worker_with_its_numbers() -> None:
 
             p, d = rows[nodes["prefill"]], rows[nodes["decode"]]
             assert (p["role"], p["healthy"], p["reachable"], p["error"]) == ("prefill", True, True, None)
-            assert p["queues"] == [["bootstrap", 1], ["waiting", 2], ["chunked", 0], ["transferring", 3]]
-            assert (p["transfers"], p["transfer_rooms"], p["running"]) == (3, 4, 3)
+            assert p["queues"] == [["bootstrap", 1], ["waiting", 2], ["chunked", 0], ["parked", 5], ["transferring", 3]]
+            assert (p["transfers"], p["transfer_rooms"], p["running"]) == (3, 4, 8)
             assert p["kv"]["usage"] == pytest.approx(0.3) and p["kv"]["cached_pages"] == 20
             assert p["throughput"] == 123.5 and p["scheduler_up"] is True
             assert p["ttft"]["n"] == 3 and p["tpot"]["n"] == 0  # the prefill's TPOT is the decode's
