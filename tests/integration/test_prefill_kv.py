@@ -94,6 +94,40 @@ def test_kv_pages_equal_hf_kv_cache(setup) -> None:
         peer.release(room)
 
 
+def test_chunks_computed_before_the_decode_answers_land_equal_to_hf(setup) -> None:
+    """The prefill computes all six chunks of a prompt while no decode has answered for its room
+    (--compute-ahead-fraction, on by default) and parks it; only then does this side open the
+    room. Everything computed goes out at once and lands equal to HF's KV."""
+    import json
+    import threading
+
+    import httpx
+
+    model_dir, page_size, node, peer = setup
+    ids = prompt(model_dir, 47, seed=21)
+    room_id = peer.new_room()
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+               "bootstrap_host": "127.0.0.1", "bootstrap_port": node.bootstrap_port, "bootstrap_room": room_id}
+    result: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: result.__setitem__(
+        "r", httpx.post(f"{node.url}/generate", content=json.dumps(payload), timeout=30)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while node.get("/debug/memory")["parked_reqs"] != 1:
+        assert time.monotonic() < deadline and t.is_alive(), node.get("/debug/memory")
+        time.sleep(0.01)
+    room = peer.open(room_id, f"127.0.0.1:{node.bootstrap_port}", len(ids))
+    assert peer.finish(room) is KVPoll.Success, room.reason
+    t.join(30)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["meta_info"]["timeline"]["stages_ms"]["bootstrap"] > 0, "it waited parked"
+    for (k, v), (hk, hv) in zip(peer.kv(room), hf_kv(model_dir, ids)):
+        torch.testing.assert_close(k, hk, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v, hv, atol=1e-5, rtol=1e-4)
+    assert peer.aux_record(room).token_id == hf_first_token(model_dir, ids)
+    peer.release(room)
+
+
 def test_prefix_cache_hit_still_sends_the_whole_prompt_kv(setup) -> None:
     model_dir, page_size, node, peer = setup
     shared = prompt(model_dir, 40, seed=11)
