@@ -152,8 +152,11 @@ def check_plots(doc: dict, router: bool) -> None:
         with_prefill = [r for r in reqs if r["prefill_stages_ms"]]
         assert with_prefill
         for r in with_prefill:
+            # Until its KV left, the prefill's stages fit in the decode's wait for it; its own
+            # ``transfer`` ends when it sees the room succeed, which may be after the decode did.
             wait = sum(r["stages_ms"][k] for k in ("decode_hop", "decode.api_in", "decode.prealloc", "decode.kv_transfer"))
-            assert 0 < sum(r["prefill_stages_ms"].values()) - r["prefill_stages_ms"]["api_out"] <= wait + 1.0, r
+            p = r["prefill_stages_ms"]
+            assert 0 < sum(p[k] for k in ("api_in", "bootstrap", "queue", "forward")) <= wait + 1.0, r
     else:
         assert doc["summary"]["prefill_stages_ms"] == {}
 
