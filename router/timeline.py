@@ -11,8 +11,9 @@ node's timeline (which adds up to the decode's own span) it puts::
     router_out    final answer in -> written to the client (rewriting it included)
 
 so the stages add up to the router's end-to-end time. The prefill's timeline (bootstrap, queue,
-forward, transfer) runs inside the decode's prealloc + kv_transfer and is nested as
-``prefill``. Only durations cross hosts: no clock of one process is compared with another's.
+forward, transfer) runs inside the decode's prealloc + kv_transfer (but for the end of its
+transfer, which it sees a little after the decode may have) and is nested as ``prefill``. Only
+durations cross hosts: no clock of one process is compared with another's.
 """
 from __future__ import annotations
 
