@@ -199,20 +199,22 @@ class PrefillScheduler:
     # alone (``_request_error``) and can neither drop the others nor leave one in two places.
 
     def _poll_bootstrap(self) -> None:
-        self._poll_answers("bootstrap", self._answered)
-        self._poll_answers("parked", self._answered_parked)
-
-    def _poll_answers(self, queue: str, answered: Callable[[PrefillReq], None]) -> None:
-        """Requests in ``queue`` wait for their decode's answer: still Bootstrapping stays, Failed is
-        released and answered, WaitingForInput (the decode said where to write) goes to ``answered``."""
         q = self.queues
-        pending = getattr(q, queue)
-        setattr(q, queue, [])
+        pending, q.bootstrap = q.bootstrap, []
+        self._poll_answers(pending, q.bootstrap, self._answered, "bootstrap poll")
+        pending, q.parked = q.parked, []
+        self._poll_answers(pending, q.parked, self._answered_parked, "parked poll")
+
+    def _poll_answers(self, pending: list[PrefillReq], still: list[PrefillReq],
+                      answered: Callable[[PrefillReq], None], where: str) -> None:
+        """Requests waiting for their decode's answer: still Bootstrapping goes back to ``still``,
+        Failed is released and answered, WaitingForInput (the decode said where to write) goes
+        to ``answered``."""
         for req in pending:
-            with self._guard(req, f"{queue} poll"):
+            with self._guard(req, where):
                 state = req.sender.poll()  # type: ignore[union-attr]  # these requests have senders
                 if state is KVPoll.Bootstrapping:
-                    getattr(q, queue).append(req)
+                    still.append(req)
                 elif state is KVPoll.Failed:
                     self._finish(req, room_ended(req, state))
                 else:

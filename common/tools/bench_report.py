@@ -80,18 +80,17 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo_ttft_ms: 
         "tpot_ms": distribution_ms(tpots),
         "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prefill_answer_ms": distribution_ms([r.prefill_s for r in ok if r.prefill_s is not None]),
-        "stages_ms": stage_breakdown(ok),
-        "prefill_stages_ms": stage_breakdown(ok, nested="prefill"),
+        "stages_ms": stage_breakdown([r.stages_ms for r in ok]),
+        # The prefill's, nested by the router: they ran inside the decode's prealloc + kv_transfer.
+        "prefill_stages_ms": stage_breakdown([r.prefill_stages_ms for r in ok]),
         "goodput": {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms, "good_requests": len(good),
                     "request_goodput": round(len(good) / dur, 4)},
     }
 
 
-def stage_breakdown(ok: Sequence[RequestResult], nested: str | None = None) -> dict[str, dict[str, float]]:
-    """mean/p50/p90/p99/max of each timeline stage over the requests that report one, in the
-    stages' own order (empty when the server sends no timelines). ``nested="prefill"``: the
-    prefill's stages, which ran inside the decode's prealloc + kv_transfer."""
-    per_req = [r.prefill_stages_ms if nested == "prefill" else r.stages_ms for r in ok]
+def stage_breakdown(per_req: Sequence[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """mean/p50/p90/p99/max of each timeline stage over the requests that report one (one
+    stage -> ms dict per request), in the stages' own order (empty when none has a timeline)."""
     names: dict[str, None] = {}
     for st in per_req:
         names.update(dict.fromkeys(st))
