@@ -42,6 +42,8 @@ from router.workers import Worker, Workers
 
 log = logging.getLogger("router.forward")
 
+# How long a stream's last frame (the one carrying the timeline) waits for the prefill's answer.
+PREFILL_ANSWER_WAIT_S = 0.2
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -395,6 +397,10 @@ class Forwarder:
                         continue
                     frames = bytes(buf[:end + 2])
                     del buf[:end + 2]
+                    if prefill is not None and not prefill.done() and b'"timeline"' in frames:
+                        # The last frame nests the prefill's timeline; its answer normally came long
+                        # before, but a prefill busy in a forward may answer a moment after the KV landed.
+                        await asyncio.wait({prefill}, timeout=PREFILL_ANSWER_WAIT_S)
                     p_answer = prefill.result() if prefill is not None and prefill.done() and not prefill.cancelled() \
                         else None
                     frames = rewrite_frames(frames, marks, p_answer, observe)
