@@ -101,13 +101,28 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.arch.head_dim
         qkv = linear(x, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, d)  # [T, heads, head_dim] (this rank's heads)
-        k = k.reshape(t, self.num_kv_heads, d)  # [T, kv_heads, head_dim]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
+        if rope.kernels is None and ops.fused(qkv) is None:
+            q, k = self._rotated_qk(qkv, rope)
+        else:
+            q = q.reshape(t, self.num_heads, d)  # [T, heads, head_dim] (this rank's heads)
+            k = k.reshape(t, self.num_kv_heads, d)  # [T, kv_heads, head_dim]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope.apply(q, k)
         out = self.backend.forward(q.reshape(t, -1), k.reshape(t, -1), v, self.spec, batch)  # [T, q]; v a view of qkv
         return row_parallel_linear(out, self.o_proj, self.o_bias, self.tp)  # [T, H]
+
+    def _rotated_qk(self, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path: q and k heads sit side by side in ``qkv``, so they are normed (Qwen3)
+        and rotated as one [T, heads + kv_heads, head_dim] tensor: the same elementwise ops as
+        one head set at a time, in half the calls. -> q [T, heads, d], k [T, kv_heads, d] (views)."""
+        t, d, hq = qkv.shape[0], self.arch.head_dim, self.num_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = ops.rms_norm_heads(qk, ((hq, self.q_norm.weight), (self.num_kv_heads, self.k_norm.weight)),
+                                    self.q_norm.eps)
+        qk = rope.rotate(qk)
+        return qk[:, :hq], qk[:, hq:]
 
     def checkpoint_targets(self, prefix: str, names: tuple[str, str, str, str]) -> Targets:
         """``prefix`` + q/k/v/o names (HF spells o_proj differently per family) -> our slices::

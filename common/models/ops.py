@@ -9,6 +9,9 @@ CUDA-graph decode step at batch 1 took 17x its memory roofline (docs/BENCHMARKS.
 Which: fused when the tensor is on CUDA, flashinfer imports and ``PDC_FUSED_KERNELS`` is not 0;
 the torch ops otherwise, and always on CPU: they are written as HF writes them (statistics in
 float32, the weight applied in the model dtype), which the CPU tests against HF float32 hold to.
+In float32 the norm is ``torch.rms_norm``: one dispatch instead of six, and bit-identical to
+HF's formula on the pinned torch (tests/unit/test_ops.py checks it, so a torch upgrade that
+changes it fails there first). A CPU decode step of a small model is mostly such dispatches.
 The fused kernels keep float32 statistics but multiply by the weight before rounding, so in
 bfloat16 they differ from HF in the last bit; the GPU tests compare against HF with that margin.
 
@@ -48,10 +51,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fi = fused(x)
     if fi is not None and x.dim() in (2, 3):
         return fi.norm.rmsnorm(x if x.is_contiguous() else x.contiguous(), weight, eps)
-    # Statistics in float32 whatever the model dtype, then scale in the model dtype (as HF).
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)  # one call, the same bits (module docstring)
+    return weight * _normalized(x, eps)
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, no weight; same shape and dtype."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), None, eps)
+    # Statistics in float32 whatever the model dtype, then back to the model dtype (as HF).
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return xf.to(x.dtype)
+
+
+def rms_norm_heads(x: torch.Tensor, weights: tuple[tuple[int, torch.Tensor], ...], eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of x [T, heads, D] whose heads come in runs with their own weight:
+    ``weights`` = ((n heads, weight [D]), ...) in head order (Qwen3's q_norm then k_norm over the
+    q and k heads of one fused projection). One normalization for all heads, then one multiply
+    per run: the same bits as ``rms_norm`` run by run, in fewer ops (torch path only; a new
+    contiguous tensor)."""
+    out = _normalized(x, eps)
+    start = 0
+    for n, w in weights:
+        out[:, start:start + n].mul_(w)
+        start += n
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

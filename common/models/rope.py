@@ -86,11 +86,19 @@ class RotaryEmbedding(torch.nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim] -> rotated x, same shape and dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, d]
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos, sin_signed [T, 1, head_dim] -> rotated x, same shape and dtype.
+
+    ``x * cos + rotate_half(x) * sin`` with the sign of rotate_half's first half moved into sin
+    (``signed_sin``): a negation is exact, so these are the same bits, and the swap of halves is
+    one ``roll`` instead of two slices, a negation and a ``cat``."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin_signed
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., d] -> (-sin[:d/2] | sin[d/2:]), what ``apply_rope`` multiplies the swapped halves by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class Rope:
@@ -99,7 +107,8 @@ class Rope:
 
     def __init__(self, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, table: torch.Tensor | None = None, kernels: object = None) -> None:
-        self.cos, self.sin, self.positions, self.table, self.kernels = cos, sin, positions, table, kernels
+        self.cos, self.positions, self.table, self.kernels = cos, positions, table, kernels
+        self.sin_signed = None if sin is None else signed_sin(sin)  # once per forward, shared by every layer
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, d], k [T, kv_heads, d] -> rotated (the fused path rotates them in place)."""
@@ -108,5 +117,10 @@ class Rope:
             self.kernels.rope.apply_rope_with_cos_sin_cache_inplace(  # type: ignore[attr-defined]
                 self.positions, q.view(t, -1), k.view(t, -1), d, self.table, is_neox=True)
             return q, k
-        assert self.cos is not None and self.sin is not None
-        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+        return self.rotate(q), self.rotate(k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, d] -> rotated, a new tensor (torch path: the layers rotate q and k heads
+        in one call when they sit side by side)."""
+        assert self.cos is not None and self.sin_signed is not None
+        return apply_rope(x, self.cos, self.sin_signed)
