@@ -7,13 +7,14 @@ text is what one-output-at-a-time folding (``Inflight.next``) gives for the same
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from common.ipc.protocol import ReqOutput
 from common.request import FinishReason
 from common.server.config import ApiConfig
-from common.server.generation import Inflight
+from common.server.generation import Inflight, _stream
 from common.server.metrics import ApiMetrics
 from common.server.parse_openai import parse_completion
 from common.tokenizer import Tokenizer
@@ -143,3 +144,26 @@ def test_a_disconnect_behind_outputs_still_ends_the_stream(cfg: ApiConfig, tok: 
         assert batch is not None and len(batch) == 1
         assert await inflight.next_batch() is None
     asyncio.run(run())
+
+
+def test_the_stream_writes_once_per_batch_and_ends_in_the_same_write(cfg: ApiConfig, tok: Tokenizer) -> None:
+    """What the HTTP body yields is what reaches the socket, one send() per item: the first
+    token's frames alone (it is not held back), then a burst's frames, the last one and
+    ``[DONE]`` joined into one write, with the same frames a frame-per-write stream would send."""
+    ids = tok.encode(" the cache node sends pages")
+
+    async def run() -> list[bytes]:
+        inflight, link = start(cfg, tok, 1)
+        for o in outputs(inflight, [ids]):
+            link.queue.put_nowait(o)
+        response = await _stream(inflight, tok)
+        return [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 2, chunks
+    frames = [f for f in b"".join(chunks).split(b"\n\n") if f]
+    assert frames[-1] == b"data: [DONE]" and chunks[1].endswith(b"data: [DONE]\n\n")
+    bodies = [json.loads(f[len(b"data: "):]) for f in frames[:-1]]
+    assert "".join(b["choices"][0]["text"] for b in bodies) == tok.decode(ids)
+    assert bodies[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(f.startswith(b"data: ") for f in frames)
