@@ -5,9 +5,10 @@ gathers every key and value of every request (``index_select``) on every layer o
 before attention: the whole context is copied once per step only to be read once. On CPU that
 copy was a third of a decode step. The mirror keeps one *lane* per decoding request::
 
-    k[layer]: [lanes, kv_heads, S_cap, head_dim]      lane i, positions 0 .. len(i) - 1 filled
+    k[layer]: [lanes, kv_heads, head_dim, S_cap]      lane i, positions 0 .. len(i) - 1 filled
+    v[layer]: [lanes, kv_heads, S_cap, head_dim]      (keys stored transposed: see below)
     decode step:  new token's K/V -> pool (the truth: transfer and prefix cache read it) and lane
-                  attention over k[layer][:B, :, :S] (a view, no copy)
+                  attention over k[layer][:B, :, :, :S] and v[layer][:B, :, :S] (views, no copy)
 
 Lanes live as long as their request keeps decoding:
 
@@ -22,6 +23,12 @@ A lane is trusted only while its request row keeps the same *epoch* (bumped by e
 allocation, so a row reused by another request never inherits a lane) and its length is exactly
 the step's prefix: anything else refills it. Memory is bounded: once ``lanes x S_cap`` would
 exceed the budget the mirror frees itself and the backend gathers as before.
+
+Why keys are stored transposed: a decode step's scores are, per lane and KV head, a product of
+the few query rows of that head (the GQA group) with S keys. MKL's batched product read keys
+stored [S, head_dim] (the transposed operand) at ~10 GB/s, and [head_dim, S] (the plain one) at
+~14 GB/s: SmolLM2-135M's shape, 32 lanes, 384 keys, one thread, AMD EPYC Zen 5
+(docs/BENCHMARKS.md, "Keys stored transposed"). Values stay [S, head_dim], their fast layout.
 """
 from __future__ import annotations
 
@@ -54,8 +61,8 @@ class MirrorPlan:
 class DecodeMirror:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self._k: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, S_cap, head_dim]
-        self._v: dict[int, torch.Tensor] = {}
+        self._k: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, head_dim, S_cap]
+        self._v: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, S_cap, head_dim]
         self._lanes_cap = 0
         self._s_cap = 0
         self._lane_of: dict[int, int] = {}  # request row -> lane
@@ -149,34 +156,33 @@ class DecodeMirror:
     def layer_kv(self, layer_id: int, plan: MirrorPlan, k_buf: torch.Tensor, v_buf: torch.Tensor,
                  k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring this layer's lanes up to date and append the new token; returns the K and V
-        views attention reads. [B, kv_heads, S, head_dim] each (pool dtype)."""
+        views attention reads: K^T [B, kv_heads, head_dim, S] and V [B, kv_heads, S, head_dim] (pool dtype)."""
         mk, mv = self._buffers(layer_id, k_buf)
         if layer_id not in plan.done_layers:
             plan.done_layers.add(layer_id)
             for src, dst, length in plan.moves:
-                mk[dst, :, :length] = mk[src, :, :length]
+                mk[dst, :, :, :length] = mk[src, :, :, :length]
                 mv[dst, :, :length] = mv[src, :, :length]
             for lane, slots in plan.fills:
-                mk[lane, :, : slots.shape[0]] = k_buf.index_select(0, slots).transpose(0, 1)
+                mk[lane, :, :, : slots.shape[0]] = k_buf.index_select(0, slots).permute(1, 2, 0)
                 mv[lane, :, : slots.shape[0]] = v_buf.index_select(0, slots).transpose(0, 1)
-        mk[plan.lanes, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
+        mk[plan.lanes, :, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
         mv[plan.lanes, :, plan.positions] = v_new.to(mv.dtype)
         b, s = plan.num_lanes, plan.max_seq
-        return mk[:b, :, :s], mv[:b, :, :s]
+        return mk[:b, :, :, :s], mv[:b, :, :s]
 
     def _buffers(self, layer_id: int, k_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's buffers at the planned capacity (grown, keeping their lanes, if needed)."""
         mk = self._k.get(layer_id)
-        if mk is not None and mk.shape[0] >= self._lanes_cap and mk.shape[2] >= self._s_cap:
+        if mk is not None and mk.shape[0] >= self._lanes_cap and mk.shape[3] >= self._s_cap:
             return mk, self._v[layer_id]
         _, hk, d = k_buf.shape
-        shape = (self._lanes_cap, hk, self._s_cap, d)
-        new_k = torch.zeros(shape, dtype=k_buf.dtype, device=k_buf.device)
-        new_v = torch.zeros(shape, dtype=k_buf.dtype, device=k_buf.device)
+        new_k = torch.zeros((self._lanes_cap, hk, d, self._s_cap), dtype=k_buf.dtype, device=k_buf.device)
+        new_v = torch.zeros((self._lanes_cap, hk, self._s_cap, d), dtype=k_buf.dtype, device=k_buf.device)
         if mk is not None:
             old_v = self._v[layer_id]
-            lanes, s = mk.shape[0], mk.shape[2]
-            new_k[:lanes, :, :s] = mk
+            lanes, s = mk.shape[0], mk.shape[3]
+            new_k[:lanes, :, :, :s] = mk
             new_v[:lanes, :, :s] = old_v
         self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
         self._k[layer_id], self._v[layer_id] = new_k, new_v

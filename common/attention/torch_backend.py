@@ -172,14 +172,14 @@ class TorchAttentionBackend(AttentionBackend):
         """One query per request against its mirrored lane. [B, heads * head_dim]"""
         assert self.mirror is not None
         hq, d = layer.num_heads, layer.head_dim
-        keys, vals = self.mirror.layer_kv(layer.layer_id, plan, k_buf, v_buf, k, v)  # [B, kv_heads, S, head_dim]
+        keys_t, vals = self.mirror.layer_kv(layer.layer_id, plan, k_buf, v_buf, k, v)  # [B, kv_heads, d, S], [B, kv_heads, S, d]
         ql = q if plan.to_lane is None else q.index_select(0, plan.to_lane)  # [B, heads, head_dim], lane order
-        if q.dtype == torch.float32 and keys.dtype == torch.float32:
-            out = _one_query_attention(ql, keys, vals, layer, plan)
+        if q.dtype == torch.float32 and keys_t.dtype == torch.float32:
+            out = _one_query_attention(ql, keys_t, vals, layer, plan)
         else:  # half precision: SDPA accumulates in float32, two plain matmuls would not
             out = torch.nn.functional.scaled_dot_product_attention(
-                ql[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=plan.mask, scale=layer.scaling,
-                enable_gqa=hq != layer.num_kv_heads)  # [B, heads, 1, head_dim]
+                ql[:, :, None, :], keys_t.transpose(-1, -2).to(q.dtype), vals.to(q.dtype), attn_mask=plan.mask,
+                scale=layer.scaling, enable_gqa=hq != layer.num_kv_heads)  # [B, heads, 1, head_dim]
         out = out.view(-1, hq, d)
         if plan.from_lane is not None:
             out = out.index_select(0, plan.from_lane)  # back to batch order
@@ -204,17 +204,18 @@ class TorchAttentionBackend(AttentionBackend):
         return out if g.keep is None else out.index_select(0, g.keep)
 
 
-def _one_query_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, layer: AttentionLayerSpec,
+def _one_query_attention(q: torch.Tensor, keys_t: torch.Tensor, vals: torch.Tensor, layer: AttentionLayerSpec,
                          plan: MirrorPlan) -> torch.Tensor:
     """softmax(q K^T * scale + mask) V for one query per lane, as two batched matmuls. [B, heads, 1, head_dim]
 
     SDPA's CPU kernel is built for blocks of queries; with one query per request it measured
     15-25 % slower than this (float32, 2-8 KV heads, 100-420 keys). Query heads of one KV head
     are the rows of one matmul, so GQA needs no repeated keys. q: [B, heads, head_dim];
-    keys/vals: [B, kv_heads, S, head_dim] (views into the mirror)."""
-    b, hk, s, d = keys.shape
+    keys_t: [B, kv_heads, head_dim, S] (the mirror keeps keys transposed), vals: [B, kv_heads, S,
+    head_dim] (views into the mirror)."""
+    b, hk, d, s = keys_t.shape
     group = layer.num_heads // hk
-    scores = torch.matmul(q.view(b, hk, group, d), keys.transpose(-1, -2)).mul_(layer.scaling)  # [B, kv_heads, G, S]
+    scores = torch.matmul(q.view(b, hk, group, d), keys_t).mul_(layer.scaling)  # [B, kv_heads, G, S]
     if plan.mask is not None:
         if plan.bias is None:
             plan.bias = torch.zeros(plan.mask.shape, dtype=torch.float32, device=q.device).masked_fill_(
