@@ -28,7 +28,8 @@ Why keys are stored transposed: a decode step's scores are, per lane and KV head
 the few query rows of that head (the GQA group) with S keys. MKL's batched product read keys
 stored [S, head_dim] (the transposed operand) at ~10 GB/s, and [head_dim, S] (the plain one) at
 ~14 GB/s: SmolLM2-135M's shape, 32 lanes, 384 keys, one thread, AMD EPYC Zen 5
-(docs/BENCHMARKS.md, "Keys stored transposed"). Values stay [S, head_dim], their fast layout.
+(docs/BENCHMARKS.md, "Fewer calls per layer, keys stored transposed, one write per batch").
+Values stay [S, head_dim], their fast layout.
 """
 from __future__ import annotations
 
