@@ -33,7 +33,7 @@ from aiohttp import web
 from bootstrap_server.client import bootstrap_url
 from common.aio_body import BodyError, BodyLimits, read_body
 from common.auth import CHALLENGE_HEADER, MAX_CHALLENGE_CHARS, PROOF_HEADER, WWW_AUTHENTICATE, RefusalLog, RequestVerifier, proof
-from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, REGISTRY_MAX_BODY_BYTES, json_too_deep
+from common.http_limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, LISTEN_BACKLOG, REGISTRY_MAX_BODY_BYTES, json_too_deep
 from bootstrap_server.registry import Registry, RegistryConflict, format_key
 from bootstrap_server.schema import RankInfo
 
@@ -316,7 +316,7 @@ class AsyncBootstrapServer:
                                access_log=None, shutdown_timeout=1.0, keepalive_timeout=self._header_timeout_s)
         try:
             await runner.setup()
-            await web.SockSite(runner, sock).start()
+            await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
         except BaseException:
             await runner.cleanup()
             sock.close()

@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from common.aio_body import BodyError, BodyLimits, decode_json, read_body, read_json
-from common.http_limits import INLINE_DECODE_BYTES
+from common.http_limits import INLINE_DECODE_BYTES, LISTEN_BACKLOG
 from router import dashboard
 from router.auth import CLIENT, require_keys
 from router.clients import Clients, KeysFileError, retry_after, token_estimate
@@ -389,9 +389,10 @@ async def metrics(request: web.Request) -> web.Response:
 def serve_options(cfg: RouterConfig) -> dict[str, Any]:
     """The server's (not the app's) options: aiohttp closes a connection whose request head has
     not arrived ``keepalive_timeout`` after it opened or after its last response, so that is the
-    header timeout (slowloris; an idle keep-alive connection goes as soon). With a certificate,
-    the TLS context clients reach the router through."""
-    options: dict[str, Any] = {"keepalive_timeout": cfg.header_timeout_s}
+    header timeout (slowloris; an idle keep-alive connection goes as soon). The listen backlog
+    is uvicorn's, not aiohttp's 128 (common/http_limits.py). With a certificate, the TLS context
+    clients reach the router through."""
+    options: dict[str, Any] = {"keepalive_timeout": cfg.header_timeout_s, "backlog": LISTEN_BACKLOG}
     if cfg.ssl_certfile is not None:
         options["ssl_context"] = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
     return options
