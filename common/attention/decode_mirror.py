@@ -52,6 +52,7 @@ class MirrorPlan:
     positions: torch.Tensor  # [B] int64 position of each row's new token
     to_lane: torch.Tensor | None  # [B] int64 batch row of each lane; None: lanes are in batch order
     from_lane: torch.Tensor | None  # [B] int64 lane of each batch row (to put outputs back); None: identity
+    lane_lens: torch.Tensor  # [B] int32 keys of each lane (lane order, CPU): what the native kernel reads
     mask: torch.Tensor | None  # [B, 1, 1, S] bool in lane order; None: every lane has S keys
     bias: torch.Tensor | None  # the mask as float32 0 / -inf (built by the first layer that needs it)
     fills: list[tuple[int, torch.Tensor]]  # (lane, pool slots of positions 0 .. n-1) to copy in
@@ -130,7 +131,7 @@ class DecodeMirror:
             positions=torch.tensor([length - 1 for length in seq], dtype=torch.int64, device=dev),
             to_lane=None if to_lane is None else to_lane.to(dev),
             from_lane=None if in_order else lanes_t.to(dev),
-            mask=mask, bias=None, fills=fills, moves=moves, done_layers=set())
+            lane_lens=torch.tensor(seq_by_lane, dtype=torch.int32), mask=mask, bias=None, fills=fills, moves=moves, done_layers=set())
 
     def _drop_absent(self, present: set[int]) -> list[tuple[int, int, int]]:
         """Free the lanes of rows not in this batch; the last lane fills each hole."""
@@ -171,6 +172,12 @@ class DecodeMirror:
         mv[plan.lanes, :, plan.positions] = v_new.to(mv.dtype)
         b, s = plan.num_lanes, plan.max_seq
         return mk[:b, :, :, :s], mv[:b, :, :s]
+
+    def whole(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's whole buffers, [L_cap, kv_heads, head_dim, S_cap] and [L_cap, kv_heads,
+        S_cap, head_dim] (after ``layer_kv`` of this step): the native kernel takes them with the
+        lanes' lengths instead of views."""
+        return self._k[layer_id], self._v[layer_id]
 
     def _buffers(self, layer_id: int, k_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's buffers at the planned capacity (grown, keeping their lanes, if needed)."""

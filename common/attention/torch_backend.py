@@ -23,7 +23,8 @@ repeated heads; both give the same numbers as the per-request loop they replace.
 
 DECODE batches skip the gather: ``decode_mirror.py`` keeps each decoding request's K/V
 contiguous across steps and attention reads it in place (the same keys and values; in float32
-two batched matmuls instead of SDPA, equal to it up to rounding). The gather path stays for
+on CPU our C++ kernel, ``native.py``, or where it is not built two batched matmuls instead of
+SDPA; each equal to SDPA up to rounding). The gather path stays for
 EXTEND, for tables the runner did not build, and for batches the mirror's memory budget does not
 cover.
 """
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.attention import native
 from common.attention.base import AttentionBackend, AttentionLayerSpec
 from common.attention.decode_mirror import DecodeMirror, MirrorPlan
 from common.engine.forward_batch import ForwardBatch, ForwardMode
@@ -126,6 +128,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, decode_mirror_bytes: int = 0) -> None:
         """``decode_mirror_bytes``: memory the decode mirror may hold; 0 turns it off."""
         self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
+        # Our C++ kernel for float32 decode over the mirror on CPU (None: not built; torch ops then).
+        self.native_decode = native.decode_attention() if self.mirror is not None else None
 
     def reset(self) -> None:
         if self.mirror is not None:
@@ -174,7 +178,10 @@ class TorchAttentionBackend(AttentionBackend):
         hq, d = layer.num_heads, layer.head_dim
         keys_t, vals = self.mirror.layer_kv(layer.layer_id, plan, k_buf, v_buf, k, v)  # [B, kv_heads, d, S], [B, kv_heads, S, d]
         ql = q if plan.to_lane is None else q.index_select(0, plan.to_lane)  # [B, heads, head_dim], lane order
-        if q.dtype == torch.float32 and keys_t.dtype == torch.float32:
+        whole_k, whole_v = self.mirror.whole(layer.layer_id)
+        if self.native_decode is not None and self.native_decode.supports(ql, whole_k):
+            out = self.native_decode(ql, whole_k, whole_v, plan.lane_lens, plan.num_lanes, layer.scaling)
+        elif q.dtype == torch.float32 and keys_t.dtype == torch.float32:
             out = _one_query_attention(ql, keys_t, vals, layer, plan)
         else:  # half precision: SDPA accumulates in float32, two plain matmuls would not
             out = torch.nn.functional.scaled_dot_product_attention(

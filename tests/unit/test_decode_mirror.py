@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from common.attention import native
 from common.attention.base import AttentionLayerSpec
 from common.attention.decode_mirror import MirrorPlan
 from common.attention.torch_backend import TorchAttentionBackend
@@ -16,17 +18,21 @@ from common.kvcache.pool import KVLayout, KVPool
 from common.kvcache.req_to_token import ReqToTokenPool
 
 PAGE = 4
-HEADS, KV_HEADS, D = 4, 2, 8
+HEADS, KV_HEADS, D = 4, 2, 8  # head_dim 8: the torch-op path (the native kernel takes multiples of 16)
+# Dimensions for the tests that run both decode paths: the torch ops, and the native kernel (a
+# GQA group of 3 as SmolLM2's, head_dim 16).
+PATHS = pytest.mark.parametrize("dims", [(HEADS, KV_HEADS, D), (6, 2, 16)], ids=["torch-ops", "native"])
 LAYERS = 2
 
 
 class Sim:
     """Requests on a paged pool with scattered pages; one DECODE batch per ``step``."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, dims: tuple[int, int, int] = (HEADS, KV_HEADS, D)) -> None:
+        self.heads, self.kv_heads, self.d = dims
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
-        layout = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, page_size=PAGE, dtype="float32")
+        layout = KVLayout(num_layers=LAYERS, num_kv_heads=self.kv_heads, head_dim=self.d, page_size=PAGE, dtype="float32")
         self.pool = KVPool(layout, 2000, "cpu")
         for buf in self.pool.buffers():
             buf.copy_(torch.randn(buf.shape, generator=self.gen))
@@ -67,16 +73,17 @@ class Sim:
         table = self.rows.table
         out_loc = table[t(order), t(prefix)].long()
         seq = [p + 1 for p in prefix]
-        qs = [torch.randn(len(order), HEADS * D, generator=self.gen) for _ in range(LAYERS)]
-        ks = [torch.randn(len(order), KV_HEADS * D, generator=self.gen) for _ in range(LAYERS)]
-        vs = [torch.randn(len(order), KV_HEADS * D, generator=self.gen) for _ in range(LAYERS)]
+        hq, hk, d = self.heads, self.kv_heads, self.d
+        qs = [torch.randn(len(order), hq * d, generator=self.gen) for _ in range(LAYERS)]
+        ks = [torch.randn(len(order), hk * d, generator=self.gen) for _ in range(LAYERS)]
+        vs = [torch.randn(len(order), hk * d, generator=self.gen) for _ in range(LAYERS)]
         outs = []
         for backend in backends:
             batch = ForwardBatch(ForwardMode.DECODE, t([0] * len(order)), t(prefix), out_loc, t(order), t(seq), t(prefix),
                                  t([1] * len(order)), table, self.pool, seq, prefix, [1] * len(order),
                                  rows_cpu=list(order), row_epochs=[self.rows.epoch[r] for r in order])
             backend.init_forward_metadata(batch)
-            outs.append(torch.stack([backend.forward(qs[i], ks[i], vs[i], AttentionLayerSpec(i, HEADS, KV_HEADS, D, D**-0.5), batch)
+            outs.append(torch.stack([backend.forward(qs[i], ks[i], vs[i], AttentionLayerSpec(i, hq, hk, d, d**-0.5), batch)
                                      for i in range(LAYERS)]))
         outs.append(torch.stack([self._reference(order, seq, qs[i], i) for i in range(LAYERS)]))
         for row in order:
@@ -88,14 +95,36 @@ class Sim:
         rows = []
         for i, (row, n) in enumerate(zip(order, seq)):
             slots = self.rows.table[row, :n].long()
-            qi = q[i].double().view(HEADS, D)
+            qi = q[i].double().view(self.heads, self.d)
             heads = []
-            for h in range(HEADS):
-                kh = h // (HEADS // KV_HEADS)
-                w = torch.softmax(k_buf[slots, kh] @ qi[h] * D**-0.5, dim=0)
+            for h in range(self.heads):
+                kh = h // (self.heads // self.kv_heads)
+                w = torch.softmax(k_buf[slots, kh] @ qi[h] * self.d**-0.5, dim=0)
                 heads.append(w @ v_buf[slots, kh])
             rows.append(torch.cat(heads))
         return torch.stack(rows).float()
+
+
+def native_calls(backend: TorchAttentionBackend, dims: tuple[int, int, int]) -> list[int]:
+    """Count the backend's calls of the native kernel; with the "native" dims the kernel must be
+    there (a machine without a C++ compiler skips: the torch-op case covers it)."""
+    calls = [0]
+    if dims[2] % 16:
+        backend.native_decode = None
+        return calls
+    if backend.native_decode is None:
+        if native._compiler() is None:
+            pytest.skip("no C++ compiler: the native kernel cannot be built here")
+        raise AssertionError("a C++ compiler is here but the native decode kernel did not load")
+    kernel = backend.native_decode
+
+    def counted(*args, **kw):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return kernel(*args, **kw)
+
+    counted.supports = kernel.supports  # type: ignore[attr-defined]
+    backend.native_decode = counted  # type: ignore[assignment]
+    return calls
 
 
 def check(outs: list[torch.Tensor]) -> None:
@@ -104,9 +133,11 @@ def check(outs: list[torch.Tensor]) -> None:
     torch.testing.assert_close(mirrored, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_mirror_equals_the_gather_path_through_joins_leaves_reuse_and_growth() -> None:
-    sim = Sim(seed=1)
+@PATHS
+def test_mirror_equals_the_gather_path_through_joins_leaves_reuse_and_growth(dims: tuple[int, int, int]) -> None:
+    sim = Sim(seed=1, dims=dims)
     mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()
+    calls = native_calls(mirror, dims)
     live = [sim.admit(n) for n in (3, 17, 60, 1, 9)]
     planned = 0
     for step in range(90):
@@ -121,12 +152,15 @@ def test_mirror_equals_the_gather_path_through_joins_leaves_reuse_and_growth() -
         check(outs)
         planned += mirror.mirror is not None and mirror.mirror.lanes_in_use == len(order)
     assert planned == 90  # every step ran on the mirror, none fell back
+    assert calls[0] == (90 * LAYERS if dims[2] % 16 == 0 else 0)
     assert mirror.mirror is not None and mirror.mirror.nbytes() > 0
 
 
-def test_a_reused_row_or_a_skipped_step_refills_the_lane() -> None:
-    sim = Sim(seed=2)
+@PATHS
+def test_a_reused_row_or_a_skipped_step_refills_the_lane(dims: tuple[int, int, int]) -> None:
+    sim = Sim(seed=2, dims=dims)
     mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()
+    native_calls(mirror, dims)
     a, b = sim.admit(10), sim.admit(20)
     check(sim.step([a, b], [mirror, gather]))
     # b finishes and a new request gets the same row with as many tokens as b's lane: only the epoch

@@ -1,0 +1,156 @@
+"""Our C++ CPU kernels (``native/*.cpp``), built on first use with the machine's compiler and
+loaded with ctypes.
+
+Why at run time, not in the wheel: the kernels are compiled with ``-march=native`` for the CPU
+the node runs on (AVX-512 where it has it, AVX2 where not), and a wheel built once cannot know
+that. A build takes under a second (plain C ABI, no torch headers) and is cached, keyed by the
+source, the compiler, the flags and the CPU's instruction flags, under ``PDC_KERNEL_CACHE_DIR``
+(default ``~/.cache/pdcluster/kernels``). Two processes building at once each write their own
+temporary file and rename it into place, so neither loads a half-written library.
+
+Nothing here is required: without a C++ compiler, with ``PDC_NATIVE_KERNELS=0``, or when a build
+fails, ``decode_attention()`` returns None once with a warning and the torch backend keeps its
+torch-op path (same results up to rounding, slower; docs/BENCHMARKS.md says by how much).
+
+OpenMP: the library links ``libgomp.so.1``, which the torch CPU build has already loaded under
+that name, so the kernel's parallel loops run on torch's OpenMP runtime with the thread count
+the caller passes (``torch.get_num_threads()``) instead of starting a second pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from common import envs
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("native")
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# The kernels' contract (decode_attention.cpp): head_dim and the mirror's key capacity are
+# multiples of this; the backend checks before it calls.
+VECTOR_FLOATS = 16
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def cache_dir() -> Path:
+    configured = envs.KERNEL_CACHE_DIR.get()
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdcluster" / "kernels"
+
+
+def build(name: str, out_dir: Path | None = None) -> Path:
+    """Compile ``native/<name>.cpp`` (or reuse the cached build); the library's path. Raises
+    OSError or subprocess.CalledProcessError / TimeoutExpired when it cannot."""
+    cxx = _compiler()
+    if cxx is None:
+        raise OSError("no C++ compiler (set CXX, or install g++)")
+    source = (SOURCE_DIR / f"{name}.cpp").read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(CXX_FLAGS).encode(), _cpu_flags().encode()]))
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"{name}-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(SOURCE_DIR / f"{name}.cpp")], capture_output=True,
+                       text=True, timeout=120, check=True)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    """The built library, or None (logged once per process) when it is off or cannot be built."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib: ctypes.CDLL | None = None
+        if not envs.NATIVE_KERNELS.get():
+            log.info("native CPU kernels off (PDC_NATIVE_KERNELS=0): %s runs on torch ops", name)
+        else:
+            try:
+                lib = ctypes.CDLL(str(build(name)))
+            except subprocess.CalledProcessError as exc:
+                log.warning("building the native kernel %s failed; it runs on torch ops instead:\n%s", name,
+                            (exc.stderr or "")[-2000:])
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("native kernel %s unavailable (%s); it runs on torch ops instead", name, exc)
+        _loaded[name] = lib
+        return lib
+
+
+class DecodeAttention:
+    """``pdc_decode_attention`` of native/decode_attention.cpp with its scratch memory."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.pdc_decode_attention
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    @staticmethod
+    def supports(q: torch.Tensor, mirror_k: torch.Tensor) -> bool:
+        """Whether the kernel takes this layer: float32 queries and mirror on the CPU, head_dim and
+        the key capacity in whole vectors (mirror_k: the whole [L_cap, kv_heads, head_dim, S_cap])."""
+        return (mirror_k.device.type == "cpu" and mirror_k.dtype == torch.float32 and q.dtype == torch.float32
+                and mirror_k.shape[2] % VECTOR_FLOATS == 0 and mirror_k.shape[3] % VECTOR_FLOATS == 0)
+
+    def __call__(self, q: torch.Tensor, mirror_k: torch.Tensor, mirror_v: torch.Tensor, lens: torch.Tensor,
+                 num_lanes: int, scale: float) -> torch.Tensor:
+        """softmax(q K^T * scale) V of each lane's one query against its first ``lens[lane]`` keys.
+        q: [B, heads, head_dim] float32; mirror_k: [L_cap, kv_heads, head_dim, S_cap] and mirror_v:
+        [L_cap, kv_heads, S_cap, head_dim], the mirror's whole (contiguous) buffers; lens: [B] int32.
+        Returns [B, heads, head_dim]."""
+        q = q.contiguous()
+        _, heads, dim = q.shape
+        _, kv_heads, _, s_cap = mirror_k.shape
+        assert mirror_k.is_contiguous() and mirror_v.is_contiguous() and lens.dtype == torch.int32
+        assert q.shape[0] == num_lanes == lens.shape[0] and heads % kv_heads == 0 and s_cap % VECTOR_FLOATS == 0
+        threads = max(1, torch.get_num_threads())
+        need = threads * (heads // kv_heads) * (s_cap + dim)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        out = torch.empty_like(q)
+        self._fn(q.data_ptr(), mirror_k.data_ptr(), mirror_v.data_ptr(), out.data_ptr(), lens.data_ptr(),
+                 self._scratch.data_ptr(), num_lanes, heads, kv_heads, dim, s_cap, mirror_k.stride(0),
+                 mirror_v.stride(0), scale, threads)
+        return out
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The decode-attention kernel for this process, or None (torch ops then)."""
+    lib = _load("decode_attention")
+    return None if lib is None else DecodeAttention(lib)
