@@ -30,6 +30,11 @@
 
 namespace {
 
+// Software prefetch (a hint: no fault even past a buffer's end). Per lane and head the hardware
+// prefetchers alone kept a step at ~19 GB/s of keys and values out of ~38 a plain pass reads;
+// asking for the next score block's row segment while this block runs, and for the value row
+// PREFETCH_ROWS ahead, took 30 layers of SmolLM2's shape (8 lanes x 175 keys) from 3.4-3.9 to 2.3-2.5 ms.
+constexpr int PREFETCH_ROWS = 16;
 constexpr int VW = 16;  // floats per vector: one AVX-512 register, two AVX2 ones (the compiler splits)
 typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t)), aligned(sizeof(int32_t))));
@@ -71,6 +76,7 @@ inline void score_block(const float* q, int dim, const float* kt, int64_t ldk, i
         for (int j = 0; j < SB; j++) acc[g][j] = vf{};
     for (int d = 0; d < dim; d++) {
         const float* kd = kt + d * ldk + s0;
+        for (int j = 0; j < SB; j++) __builtin_prefetch(kd + (SB + j) * VW);  // this row, next block
         vf key[SB];
         for (int j = 0; j < SB; j++) key[j] = load(kd + j * VW);
         for (int g = 0; g < GB; g++) {
@@ -117,6 +123,7 @@ inline void value_block(const float* p, int64_t ldp, const float* v, int64_t ldv
         for (int j = 0; j < DB; j++) acc[g][j] = vf{};
     for (int s = 0; s < len; s++) {
         const float* vs = v + s * ldv + d0;
+        for (int j = 0; j < DB; j++) __builtin_prefetch(vs + PREFETCH_ROWS * ldv + j * VW);
         vf val[DB];
         for (int j = 0; j < DB; j++) val[j] = load(vs + j * VW);
         for (int g = 0; g < GB; g++) {
