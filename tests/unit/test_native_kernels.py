@@ -156,3 +156,13 @@ def test_turned_off_by_env_builds_nothing(fresh_loader: None, tmp_path, monkeypa
 def test_backend_without_a_mirror_builds_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert TorchAttentionBackend().native_decode is None and native._loaded == {}
     assert TorchAttentionBackend(decode_mirror_bytes=1 << 20).native_decode is not None
+
+
+def test_bench_tool_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
+    from common.tools import bench_decode_attention as bench
+
+    assert bench.main(["--lanes", "2", "--keys", "40", "--layers", "2", "--repeat", "2"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].strip("|").split("|")
+    assert [c.strip() for c in row[:2]] == ["2", "40"] and float(row[2]) > 0
+    if native.decode_attention() is not None:
+        assert float(row[4]) > 0 and row[6].strip().endswith("x")
