@@ -51,8 +51,8 @@ class ModelConfig:
             raise ConfigError(f"--dtype {self.dtype!r}: expected auto, float32, float16 or bfloat16")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"--device {self.device!r}: expected auto, cpu or cuda[:N]")
-        if self.cpu_linear not in ("auto", "packed", "bf16", "plain"):
-            raise ConfigError(f"--cpu-linear {self.cpu_linear!r}: expected auto, packed, bf16 or plain")
+        if self.cpu_linear not in ("auto", "packed", "native", "bf16", "plain"):
+            raise ConfigError(f"--cpu-linear {self.cpu_linear!r}: expected auto, packed, native, bf16 or plain")
 
     def hf_config(self) -> dict:
         with open(os.path.join(self.model_path, "config.json")) as f:

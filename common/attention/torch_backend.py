@@ -23,7 +23,7 @@ repeated heads; both give the same numbers as the per-request loop they replace.
 
 DECODE batches skip the gather: ``decode_mirror.py`` keeps each decoding request's K/V
 contiguous across steps and attention reads it in place (the same keys and values; in float32
-on CPU our C++ kernel, ``native.py``, or where it is not built two batched matmuls instead of
+on CPU our C++ kernel, ``common/kernels``, or where it is not built two batched matmuls instead of
 SDPA; each equal to SDPA up to rounding). The gather path stays for
 EXTEND, for tables the runner did not build, and for batches the mirror's memory budget does not
 cover.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.attention import native
+from common import kernels
 from common.attention.base import AttentionBackend, AttentionLayerSpec
 from common.attention.decode_mirror import DecodeMirror, MirrorPlan
 from common.engine.forward_batch import ForwardBatch, ForwardMode
@@ -129,7 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
         """``decode_mirror_bytes``: memory the decode mirror may hold; 0 turns it off."""
         self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
         # Our C++ kernel for float32 decode over the mirror on CPU (None: not built; torch ops then).
-        self.native_decode = native.decode_attention() if self.mirror is not None else None
+        self.native_decode = kernels.decode_attention() if self.mirror is not None else None
 
     def reset(self) -> None:
         if self.mirror is not None:

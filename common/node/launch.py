@@ -86,7 +86,7 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"), help=d)
     p.add_argument("--device", default="auto", help=f"auto, cpu, cuda[:N] {d}")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"), help=d)
-    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "bf16", "plain"),
+    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "native", "bf16", "plain"),
                    help="CPU projections: oneDNN-packed weights (auto: for float32 on CPU) or MKL's plain ones; "
                         "bf16: packed in bfloat16, the rest float32 (faster on CPUs with AVX512-BF16 or AMX, "
                         f"not HF-exact) {d}")

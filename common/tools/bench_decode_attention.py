@@ -1,5 +1,5 @@
 """``python -m common.tools.bench_decode_attention``: a decode step's attention alone, our C++
-kernel (common/attention/native/) against the torch ops it replaces, over every layer's mirror.
+kernel (common/kernels/) against the torch ops it replaces, over every layer's mirror.
 
 One float32 query per lane against its lane's keys and values, laid out as the decode mirror
 keeps them, one buffer per layer so that, as in a real step, a layer's keys come from memory and
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.attention import native
+from common import kernels
 from common.attention.base import AttentionLayerSpec
 from common.attention.decode_mirror import MirrorPlan
 from common.attention.torch_backend import _one_query_attention
@@ -37,7 +37,7 @@ def _median_s(fn: Callable[[], object], repeat: int) -> float:
 
 
 def run_shape(heads: int, kv_heads: int, dim: int, lanes: int, keys: int, layers: int, repeat: int,
-              kernel: native.DecodeAttention | None) -> dict[str, float]:
+              kernel: kernels.DecodeAttention | None) -> dict[str, float]:
     """ms over all layers and GB/s of K+V read, for the torch ops and (if built) the kernel."""
     s_cap = -(-keys // 64) * 64
     mk = [torch.randn(lanes, kv_heads, dim, s_cap) for _ in range(layers)]
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    kernel = native.decode_attention()
+    kernel = kernels.decode_attention()
     print(f"heads {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, {a.layers} layers, {a.threads} thread(s), "
           f"kernel {'built' if kernel else 'NOT built (torch ops only)'}")
     print("| lanes | keys | torch ops ms | GB/s | kernel ms | GB/s | ops / kernel |")

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=AttentionConfig.cuda_graph_max_bs)
-    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "bf16", "plain"),
+    p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "native", "bf16", "plain"),
                    help="CPU projections as a node would run them (common/models/linear.py)")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch.split(",") if b]

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from common.attention import native
+from common import kernels
 from common.attention.base import AttentionLayerSpec
 from common.attention.decode_mirror import MirrorPlan
 from common.attention.torch_backend import TorchAttentionBackend
@@ -113,7 +113,7 @@ def native_calls(backend: TorchAttentionBackend, dims: tuple[int, int, int]) -> 
         backend.native_decode = None
         return calls
     if backend.native_decode is None:
-        if native._compiler() is None:
+        if kernels._compiler() is None:
             pytest.skip("no C++ compiler: the native kernel cannot be built here")
         raise AssertionError("a C++ compiler is here but the native decode kernel did not load")
     kernel = backend.native_decode

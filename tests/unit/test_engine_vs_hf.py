@@ -68,7 +68,7 @@ def compare(model_dir: str, prompts: list[list[int]], outputs: list[list[int]]) 
 
 @pytest.mark.parametrize("page_size,chunk,mirror_mib,cpu_linear",
                          [(1, 32, 1024, "auto"), (16, 48, 1024, "auto"), (16, 48, 0, "auto"),
-                          (1, 32, 1024, "packed"), (16, 48, 0, "packed")])
+                          (1, 32, 1024, "packed"), (16, 48, 0, "packed"), (16, 48, 1024, "native")])
 def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirror_mib: int, cpu_linear: str) -> None:
     """mirror_mib 0: decode gathers K/V from the pages (the torch backend's path without the
     decode mirror); otherwise decode reads the mirror. cpu_linear: MKL's plain projections (what
@@ -76,7 +76,7 @@ def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirr
     torch.manual_seed(0)
     engine, runner = build_engine(tiny_model_dir, page_size, chunk, mirror_mib=mirror_mib, cpu_linear=cpu_linear)
     assert (runner.attn_backend.mirror is None) == (mirror_mib == 0)
-    assert (runner.packed_linears > 0) == (cpu_linear == "packed")  # auto: a tiny model's weights stay plain
+    assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native"))  # auto: a tiny model's weights stay plain
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
@@ -114,13 +114,13 @@ def test_stops_on_any_eos_and_max_tokens(tiny_qwen3: str) -> None:
     runner.memory.check_integrity()
 
 
-@pytest.mark.parametrize("page_size,chunk,cpu_linear", [(1, 7, "auto"), (16, 48, "packed")])
+@pytest.mark.parametrize("page_size,chunk,cpu_linear", [(1, 7, "auto"), (16, 48, "packed"), (16, 48, "native")])
 def test_hybrid_greedy_matches_hf(tiny_lfm2: str, page_size: int, chunk: int, cpu_linear: str) -> None:
     """LFM2: the conv layers' state is carried across prefill chunks (chunk 7 splits every prompt
     longer than 7 tokens, mid-page too) and updated in place by batched decode; slots are reused
     by the second pass, so a slot not reset on reuse would show as a divergence there."""
     engine, runner = build_engine(tiny_lfm2, page_size, chunk, cpu_linear=cpu_linear)
-    assert (runner.packed_linears > 0) == (cpu_linear == "packed")
+    assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native"))
     assert runner.state_pool is not None and not runner.memory.cache.enabled
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size + 10)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

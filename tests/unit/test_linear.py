@@ -1,12 +1,14 @@
-"""The projections' two layouts (common/models/linear.py): oneDNN-packed weights compute what
-F.linear computes, to float32 rounding, for any row count; the choice follows device and dtype."""
+"""The projections' layouts (common/models/linear.py): oneDNN-packed weights and our kernel's
+blocked ones compute what F.linear computes, to float32 rounding, for any row count; the choice
+follows device and dtype."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from common.models.linear import linear, pack_linears, resolve_mode
+from common import kernels
+from common.models.linear import BlockedWeight, linear, pack_linears, resolve_mode
 
 
 class Layer(nn.Module):
@@ -75,3 +77,54 @@ def test_onednn_sees_a_bounded_set_of_row_counts_whatever_the_traffic(monkeypatc
         x = torch.randn(m, 4)
         assert torch.allclose(linear(x, packed, b), x @ w.T + b, rtol=1e-5, atol=1e-5), m
     assert len(seen) == 48 and max(seen) == mod.CHUNK_ROWS, sorted(seen)
+
+
+needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler to build our kernel with")
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", [(48, 32), (64, 20), (7, 5), (200, 96)])
+def test_native_linear_equals_f_linear_for_any_row_count(out_features: int, in_features: int, threads: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our kernel over its blocked layout: output columns in whole blocks of 32 and a last partial
+    one, row counts around its 8-row tile and 128-row pass, a bias, strided and 3-D inputs."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    torch.manual_seed(out_features + in_features)
+    w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    kernel = kernels.linear()
+    assert kernel is not None
+    blocked = BlockedWeight(w, kernel)
+    assert blocked.shape == w.shape and blocked.blocks.shape == (-(-out_features // 32), in_features, 32)
+    for rows in (1, 3, 7, 8, 9, 16, 33, 127, 128, 129, 300):
+        x = torch.randn(rows, in_features)
+        torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(x, blocked), x @ w.T, rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, 2 * in_features)[:, ::2]  # columns strided: copied first
+    torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2 * in_features + 3)[3:].view(2, in_features)  # rows at an offset
+    torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 3, in_features)
+    torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert linear(torch.randn(0, in_features), blocked, b).shape == (0, out_features)
+
+
+@needs_compiler
+def test_native_mode_packs_every_projection_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = Layer()
+    plain = layer.proj.clone()
+    kernel = kernels.linear()
+    assert resolve_mode("native", "cpu", torch.float32) == "native"
+    assert pack_linears(layer, native=kernel) == 1
+    assert isinstance(layer.proj, BlockedWeight) and "proj" not in dict(layer.named_parameters())
+    assert pack_linears(layer, native=kernel) == 0  # packing twice packs nothing
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(linear(x, layer.proj, layer.bias), torch.nn.functional.linear(x, plain, layer.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_native_mode_without_the_kernel_falls_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "linear", lambda: None)
+    assert resolve_mode("native", "cpu", torch.float32) == "auto"
+    with pytest.raises(ValueError, match="--cpu-linear native"):
+        resolve_mode("native", "cpu", torch.bfloat16)

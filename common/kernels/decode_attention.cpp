@@ -1,5 +1,5 @@
 // One-query attention over the decode mirror's lanes, float32: the CPU torch backend's decode
-// step (common/attention/native.py builds and loads this file; plain C ABI, no torch headers).
+// step (common/kernels/__init__.py builds and loads this file; plain C ABI, no torch headers).
 //
 // Why a kernel of our own: per lane and KV head a decode step multiplies the GQA group's few
 // query rows (1-8) with S keys, takes a softmax, and multiplies the result with S values. MKL's
@@ -39,7 +39,9 @@ constexpr int VW = 16;  // floats per vector: one AVX-512 register, two AVX2 one
 typedef float vf __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t)), aligned(sizeof(int32_t))));
 
-inline vf splat(float x) { return vf{} + x; }
+// All lanes x. Not `vf{} + x`: that is a scalar add (0 + -0 is +0, so it cannot be skipped) and a
+// register broadcast, two floating-point uops where a broadcast from memory is one load.
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void store(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
 
@@ -152,7 +154,7 @@ void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, const fl
 }  // namespace
 
 // scratch: num_threads * (heads / kv_heads) * s_cap floats (each thread its own slice) plus
-// heads * head_dim for the scaled queries... of one item: see common/attention/native.py.
+// heads * head_dim for the scaled queries... of one item: see common/kernels/__init__.py.
 extern "C" void pdc_decode_attention(const float* q, const float* k, const float* v, float* out,
                                      const int32_t* lens, float* scratch, int64_t batch, int64_t heads,
                                      int64_t kv_heads, int64_t dim, int64_t s_cap, int64_t k_lane_stride,

@@ -1,4 +1,4 @@
-"""Our C++ CPU kernels (``native/*.cpp``), built on first use with the machine's compiler and
+"""Our C++ CPU kernels (``common/kernels/*.cpp``), built on first use with the machine's compiler and
 loaded with ctypes.
 
 Why at run time, not in the wheel: the kernels are compiled with ``-march=native`` for the CPU
@@ -8,9 +8,14 @@ source, the compiler, the flags and the CPU's instruction flags, under ``PDC_KER
 (default ``~/.cache/pdcluster/kernels``). Two processes building at once each write their own
 temporary file and rename it into place, so neither loads a half-written library.
 
+The kernels: ``decode_attention.cpp`` (one query per lane over the decode mirror; the torch
+attention backend) and ``linear.cpp`` (the projections over weights blocked by output columns;
+``--cpu-linear native``, common/models/linear.py).
+
 Nothing here is required: without a C++ compiler, with ``PDC_NATIVE_KERNELS=0``, or when a build
-fails, ``decode_attention()`` returns None once with a warning and the torch backend keeps its
-torch-op path (same results up to rounding, slower; docs/BENCHMARKS.md says by how much).
+fails, ``decode_attention()`` / ``linear()`` return None once with a warning and the caller keeps
+its torch-op or oneDNN path (same results up to rounding, slower; docs/BENCHMARKS.md says by how
+much).
 
 OpenMP: the library links ``libgomp.so.1``, which the torch CPU build has already loaded under
 that name, so the kernel's parallel loops run on torch's OpenMP runtime with the thread count
@@ -34,9 +39,9 @@ from common import envs
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).with_name("native")
+SOURCE_DIR = Path(__file__).parent
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-# The kernels' contract (decode_attention.cpp): head_dim and the mirror's key capacity are
+# The decode-attention kernel's contract (decode_attention.cpp): head_dim and the mirror's key capacity are
 # multiples of this; the backend checks before it calls.
 VECTOR_FLOATS = 16
 
@@ -65,7 +70,7 @@ def cache_dir() -> Path:
 
 
 def build(name: str, out_dir: Path | None = None) -> Path:
-    """Compile ``native/<name>.cpp`` (or reuse the cached build); the library's path. Raises
+    """Compile ``<name>.cpp`` of this package (or reuse the cached build); the library's path. Raises
     OSError or subprocess.CalledProcessError / TimeoutExpired when it cannot."""
     cxx = _compiler()
     if cxx is None:
@@ -90,28 +95,28 @@ def build(name: str, out_dir: Path | None = None) -> Path:
     return lib
 
 
-def _load(name: str) -> ctypes.CDLL | None:
+def _load(name: str, instead: str) -> ctypes.CDLL | None:
     """The built library, or None (logged once per process) when it is off or cannot be built."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
         lib: ctypes.CDLL | None = None
         if not envs.NATIVE_KERNELS.get():
-            log.info("native CPU kernels off (PDC_NATIVE_KERNELS=0): %s runs on torch ops", name)
+            log.info("native CPU kernels off (PDC_NATIVE_KERNELS=0): %s runs on %s", name, instead)
         else:
             try:
                 lib = ctypes.CDLL(str(build(name)))
             except subprocess.CalledProcessError as exc:
-                log.warning("building the native kernel %s failed; it runs on torch ops instead:\n%s", name,
+                log.warning("building the native kernel %s failed; it runs on %s instead:\n%s", name, instead,
                             (exc.stderr or "")[-2000:])
             except (OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("native kernel %s unavailable (%s); it runs on torch ops instead", name, exc)
+                log.warning("native kernel %s unavailable (%s); it runs on %s instead", name, exc, instead)
         _loaded[name] = lib
         return lib
 
 
 class DecodeAttention:
-    """``pdc_decode_attention`` of native/decode_attention.cpp with its scratch memory."""
+    """``pdc_decode_attention`` of decode_attention.cpp with its scratch memory."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.pdc_decode_attention
@@ -152,5 +157,48 @@ class DecodeAttention:
 
 def decode_attention() -> DecodeAttention | None:
     """The decode-attention kernel for this process, or None (torch ops then)."""
-    lib = _load("decode_attention")
+    lib = _load("decode_attention", "torch ops")
     return None if lib is None else DecodeAttention(lib)
+
+
+class Linear:
+    """``pdc_linear`` of linear.cpp: y = x W^T (+ bias) over a weight ``pack``ed for it."""
+
+    BLOCK = 32  # output columns per block (linear.cpp's NB)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.pdc_linear
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] float32 -> [ceil(N / BLOCK), K, BLOCK], the columns past N zero."""
+        n, k = weight.shape
+        blocks = -(-n // cls.BLOCK)
+        padded = weight.new_zeros(blocks * cls.BLOCK, k)
+        padded[:n] = weight
+        return padded.view(blocks, cls.BLOCK, k).transpose(1, 2).contiguous()
+
+    def __call__(self, x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 (rows may be strided, columns not) times the packed weight: [M, N]."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        assert blocks.shape[1] == k and blocks.dtype == x.dtype == torch.float32
+        out = torch.empty(m, out_features, dtype=torch.float32)
+        if bias is not None:
+            bias = bias.contiguous()
+        self._fn(x.data_ptr(), m, k, x.stride(0), blocks.data_ptr(), out_features,
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                 max(1, torch.get_num_threads()))
+        return out
+
+
+def linear() -> Linear | None:
+    """The projection kernel for this process, or None (oneDNN's or MKL's then)."""
+    lib = _load("linear", "oneDNN / MKL")
+    return None if lib is None else Linear(lib)

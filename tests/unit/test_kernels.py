@@ -1,4 +1,4 @@
-"""Our C++ decode-attention kernel (common/attention/native/decode_attention.cpp) against a
+"""Our C++ decode-attention kernel (common/kernels/decode_attention.cpp) against a
 float64 reference and against the torch-op path it replaces, over GQA groups 1-8, head_dims 16-128,
 ragged lane lengths (1, around a vector's 16, up to the capacity), one and two threads, and
 scores large enough to make most of a softmax underflow; and how the library is built, cached
@@ -12,20 +12,20 @@ import subprocess
 import pytest
 import torch
 
-from common.attention import native
+from common import kernels
 from common.attention.base import AttentionLayerSpec
 from common.attention.decode_mirror import MirrorPlan
 from common.attention.torch_backend import TorchAttentionBackend, _one_query_attention
 
-needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler to build the kernel with")
+needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler to build the kernel with")
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> native.DecodeAttention:
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> kernels.DecodeAttention:
     """The kernel built from source into a fresh directory (not a cache another run left)."""
     import ctypes
 
-    return native.DecodeAttention(ctypes.CDLL(str(native.build("decode_attention", tmp_path_factory.mktemp("kernels")))))
+    return kernels.DecodeAttention(ctypes.CDLL(str(kernels.build("decode_attention", tmp_path_factory.mktemp("kernels")))))
 
 
 def mirror(lanes: int, kv_heads: int, dim: int, s_cap: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +65,7 @@ SHAPES = [  # heads, kv_heads, head_dim: SmolLM2, Qwen3-0.6B, Llama-3.2-1B, and 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
-def test_kernel_matches_float64_and_the_torch_ops(kernel: native.DecodeAttention, heads: int, kv_heads: int, dim: int,
+def test_kernel_matches_float64_and_the_torch_ops(kernel: kernels.DecodeAttention, heads: int, kv_heads: int, dim: int,
                                                  threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(heads * 1000 + dim + threads)
@@ -83,7 +83,7 @@ def test_kernel_matches_float64_and_the_torch_ops(kernel: native.DecodeAttention
 
 
 @needs_compiler
-def test_sharp_softmax_underflows_to_zero_weights_not_nan(kernel: native.DecodeAttention) -> None:
+def test_sharp_softmax_underflows_to_zero_weights_not_nan(kernel: kernels.DecodeAttention) -> None:
     """Scores tens to hundreds apart: most weights are below e^-87 (where the kernel's exp clamps
     to 0) and a few keys dominate. Scores this large carry float32 rounding of their own (1e-5
     relative at 300), so the kernel is held to the torch-op path's error against float64, not to
@@ -102,22 +102,22 @@ def test_sharp_softmax_underflows_to_zero_weights_not_nan(kernel: native.DecodeA
 
 @needs_compiler
 def test_build_is_cached_by_source_and_rebuilt_when_it_changes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = native.build("decode_attention", tmp_path)
+    first = kernels.build("decode_attention", tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert native.build("decode_attention", tmp_path) == first and first.stat().st_mtime_ns == stamp  # reused
+    assert kernels.build("decode_attention", tmp_path) == first and first.stat().st_mtime_ns == stamp  # reused
     src = tmp_path / "src"
     src.mkdir()
-    text = (native.SOURCE_DIR / "decode_attention.cpp").read_text()
+    text = (kernels.SOURCE_DIR / "decode_attention.cpp").read_text()
     (src / "decode_attention.cpp").write_text(text + "\n// changed\n")
-    monkeypatch.setattr(native, "SOURCE_DIR", src)
-    second = native.build("decode_attention", tmp_path)
+    monkeypatch.setattr(kernels, "SOURCE_DIR", src)
+    second = kernels.build("decode_attention", tmp_path)
     assert second != first and second.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary file left behind
 
 
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("PDC_KERNEL_CACHE_DIR", str(tmp_path))
 
 
@@ -127,12 +127,12 @@ def test_a_failing_build_warns_once_and_the_backend_keeps_torch_ops(fresh_loader
     broken = tmp_path / "src"
     broken.mkdir()
     (broken / "decode_attention.cpp").write_text("this is not C++\n")
-    monkeypatch.setattr(native, "SOURCE_DIR", broken)
-    if native._compiler() is None:
+    monkeypatch.setattr(kernels, "SOURCE_DIR", broken)
+    if kernels._compiler() is None:
         monkeypatch.setenv("CXX", "g++-that-does-not-exist")
-    with caplog.at_level(logging.WARNING, logger="common.attention.native"):
-        assert native.decode_attention() is None
-        assert native.decode_attention() is None  # remembered, not retried per layer
+    with caplog.at_level(logging.WARNING, logger="common.kernels"):
+        assert kernels.decode_attention() is None
+        assert kernels.decode_attention() is None  # remembered, not retried per layer
         backend = TorchAttentionBackend(decode_mirror_bytes=1 << 20)
     assert backend.native_decode is None
     assert len([r for r in caplog.records if "runs on torch ops" in r.getMessage()]) == 1
@@ -140,21 +140,21 @@ def test_a_failing_build_warns_once_and_the_backend_keeps_torch_ops(fresh_loader
 
 def test_no_compiler_leaves_the_kernel_out(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "")
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    assert native.decode_attention() is None
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    assert kernels.decode_attention() is None
 
 
 def test_turned_off_by_env_builds_nothing(fresh_loader: None, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDC_NATIVE_KERNELS", "0")
     called = []
     monkeypatch.setattr(subprocess, "run", lambda *a, **kw: called.append(a))
-    assert native.decode_attention() is None and not called
+    assert kernels.decode_attention() is None and not called
     assert TorchAttentionBackend(decode_mirror_bytes=1 << 20).native_decode is None
 
 
 @needs_compiler
 def test_backend_without_a_mirror_builds_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert TorchAttentionBackend().native_decode is None and native._loaded == {}
+    assert TorchAttentionBackend().native_decode is None and kernels._loaded == {}
     assert TorchAttentionBackend(decode_mirror_bytes=1 << 20).native_decode is not None
 
 
@@ -164,5 +164,5 @@ def test_bench_tool_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None
     assert bench.main(["--lanes", "2", "--keys", "40", "--layers", "2", "--repeat", "2"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].strip("|").split("|")
     assert [c.strip() for c in row[:2]] == ["2", "40"] and float(row[2]) > 0
-    if native.decode_attention() is not None:
+    if kernels.decode_attention() is not None:
         assert float(row[4]) > 0 and row[6].strip().endswith("x")
