@@ -125,11 +125,12 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, decode_mirror_bytes: int = 0) -> None:
-        """``decode_mirror_bytes``: memory the decode mirror may hold; 0 turns it off."""
+    def __init__(self, decode_mirror_bytes: int = 0, cpu: bool = True) -> None:
+        """``decode_mirror_bytes``: memory the decode mirror may hold; 0 turns it off. ``cpu``: the
+        model runs on the CPU, where float32 decode over the mirror runs our C++ kernel."""
         self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
-        # Our C++ kernel for float32 decode over the mirror on CPU (None: not built; torch ops then).
-        self.native_decode = kernels.decode_attention() if self.mirror is not None else None
+        # None: not on CPU, no mirror, or the kernel did not build (torch ops then).
+        self.native_decode = kernels.decode_attention() if self.mirror is not None and cpu else None
 
     def reset(self) -> None:
         if self.mirror is not None:

@@ -63,7 +63,8 @@ def create_attention_backend(cfg: AttentionConfig, device: str) -> AttentionBack
     if name == "torch":
         from common.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(decode_mirror_bytes=cfg.torch_decode_mirror_mib << 20)
+        return TorchAttentionBackend(decode_mirror_bytes=cfg.torch_decode_mirror_mib << 20,
+                                     cpu=not device.startswith("cuda"))
     if name == "flashinfer":
         if not device.startswith("cuda"):
             raise ConfigError("--attention-backend flashinfer needs a CUDA device")

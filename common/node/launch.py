@@ -87,7 +87,8 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
     p.add_argument("--device", default="auto", help=f"auto, cpu, cuda[:N] {d}")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"), help=d)
     p.add_argument("--cpu-linear", default=ModelConfig.cpu_linear, choices=("auto", "packed", "native", "bf16", "plain"),
-                   help="CPU projections: oneDNN-packed weights (auto: for float32 on CPU) or MKL's plain ones; "
+                   help="CPU projections: packed for our C++ kernel (native; auto picks it for float32 on CPU where "
+                        "it builds), for oneDNN (packed), or MKL's plain ones; "
                         "bf16: packed in bfloat16, the rest float32 (faster on CPUs with AVX512-BF16 or AMX, "
                         f"not HF-exact) {d}")
     p.add_argument("--torch-decode-mirror-mib", type=int, default=AttentionConfig.torch_decode_mirror_mib,

@@ -153,8 +153,10 @@ def test_turned_off_by_env_builds_nothing(fresh_loader: None, tmp_path, monkeypa
 
 
 @needs_compiler
-def test_backend_without_a_mirror_builds_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_without_a_mirror_or_off_the_cpu_builds_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert TorchAttentionBackend().native_decode is None and kernels._loaded == {}
+    assert TorchAttentionBackend(decode_mirror_bytes=1 << 20, cpu=False).native_decode is None  # a GPU model
+    assert kernels._loaded == {}
     assert TorchAttentionBackend(decode_mirror_bytes=1 << 20).native_decode is not None
 
 

@@ -128,3 +128,24 @@ def test_native_mode_without_the_kernel_falls_back_to_onednn(monkeypatch: pytest
     assert resolve_mode("native", "cpu", torch.float32) == "auto"
     with pytest.raises(ValueError, match="--cpu-linear native"):
         resolve_mode("native", "cpu", torch.bfloat16)
+
+
+def test_bench_projections_times_every_layout(tiny_model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    from pathlib import Path
+
+    from common.tools import bench_projections as bench
+
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    shapes = bench.projection_shapes(config)
+    assert len(shapes) == 4 * config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]  # llama: absent
+    assert shapes[0] == (
+        (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim, config["hidden_size"])
+    assert bench.main(["--model-path", tiny_model_dir, "--rows", "1,9", "--repeat", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    layouts = ["native", "packed", "plain"] if kernels.linear() is not None else ["packed", "plain"]
+    assert lines[0].endswith("layouts: " + ", ".join(layouts))
+    rows = [line.strip("|").split("|") for line in lines[3:]]
+    assert [r[0].strip() for r in rows] == ["1", "9"]
+    assert all(len(r) == 2 * len(layouts) and all(float(c.split()[0].rstrip("x")) > 0 for c in r[1:]) for r in rows)
