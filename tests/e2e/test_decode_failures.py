@@ -82,22 +82,29 @@ def test_forced_retraction_every_request_gets_reference_tokens(patient_cluster: 
 
 
 def test_client_disconnect_mid_stream_releases_everything(cluster: Cluster) -> None:
-    seen: list[int] = []
+    # 2000 tokens (the tiny model's context is 2048): a stream that usually outlives the
+    # disconnect. The scheduler does not wait for the client, though: on a loaded 2-core box the
+    # API process may deliver the first three events after the decode has produced all 2000
+    # (its attention kernel runs such a step in well under a millisecond), and then there is
+    # nothing left to abort. Such an attempt must still release everything; one of three must
+    # see the abort.
+    aborted = metric(cluster.decode.url, "pdc_scheduler_aborted_total")
+    for _attempt in range(3):
+        seen: list[int] = []
 
-    def stop_after_three(ev: dict) -> bool:
-        seen.append(len(ev.get("output_ids", [])))
-        return len(seen) < 3
+        def stop_after_three(ev: dict) -> bool:
+            seen.append(len(ev.get("output_ids", [])))
+            return len(seen) < 3
 
-    # 2000 tokens (the tiny model's context is 2048): a stream that outlives the disconnect by
-    # seconds even on a fast, idle box. 150 sometimes ran to its end on a loaded CI box before
-    # the closed connection was noticed, and nothing was aborted.
-    prefill, events, status = cluster.pd_stream("/generate", gen_body([40, 41, 42], 2000), on_event=stop_after_three)
-    assert status == 200 and prefill.status_code == 200 and len(events) == 3
-    t0 = time.monotonic()
-    wait_idle(cluster.decode.url)
-    assert time.monotonic() - t0 < 10
-    assert metric(cluster.decode.url, "pdc_scheduler_aborted_total") >= 1
-    assert_serving(cluster)
+        prefill, events, status = cluster.pd_stream("/generate", gen_body([40, 41, 42], 2000), on_event=stop_after_three)
+        assert status == 200 and prefill.status_code == 200 and len(events) == 3
+        t0 = time.monotonic()
+        wait_idle(cluster.decode.url)
+        assert time.monotonic() - t0 < 10
+        assert_serving(cluster)
+        if metric(cluster.decode.url, "pdc_scheduler_aborted_total") > aborted:
+            return
+    raise AssertionError("three streams ran to their end before their client's disconnect reached the decode")
 
 
 def test_abort_request_endpoint_ends_a_running_request(cluster: Cluster) -> None:
