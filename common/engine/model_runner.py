@@ -99,15 +99,13 @@ class ModelRunner:
             self.cpu_linear = resolve_mode(model_cfg.cpu_linear, self.device, self.dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        native = kernels.linear() if self.cpu_linear in ("auto", "native") else None  # None: oneDNN packs
         self.packed_linears = 0 if self.cpu_linear == "plain" else pack_linears(
             self.model, min_elements=AUTO_MIN_ELEMENTS if self.cpu_linear == "auto" else 0,
-            dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None,
-            native=kernels.linear() if self.cpu_linear in ("auto", "native") else None)
-        self.linear_kernel = "plain" if not self.packed_linears else (
-            "native" if self.cpu_linear in ("auto", "native") and kernels.linear() is not None else "onednn")
+            dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None, native=native)
         if self.packed_linears:
             log.info("packed %d projections for %s (--cpu-linear %s)", self.packed_linears,
-                     "our kernel" if self.linear_kernel == "native" else "oneDNN", self.cpu_linear)
+                     "oneDNN" if native is None else "our kernel", self.cpu_linear)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings
