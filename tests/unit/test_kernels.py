@@ -107,11 +107,17 @@ def test_build_is_cached_by_source_and_rebuilt_when_it_changes(tmp_path, monkeyp
     assert kernels.build("decode_attention", tmp_path) == first and first.stat().st_mtime_ns == stamp  # reused
     src = tmp_path / "src"
     src.mkdir()
+    for header in kernels.SOURCE_DIR.glob("*.h"):
+        (src / header.name).write_text(header.read_text())
     text = (kernels.SOURCE_DIR / "decode_attention.cpp").read_text()
     (src / "decode_attention.cpp").write_text(text + "\n// changed\n")
     monkeypatch.setattr(kernels, "SOURCE_DIR", src)
     second = kernels.build("decode_attention", tmp_path)
     assert second != first and second.exists()
+    # A header the source includes is part of the key too.
+    (src / "simd.h").write_text((src / "simd.h").read_text() + "\n// changed\n")
+    third = kernels.build("decode_attention", tmp_path)
+    assert third not in (first, second) and third.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary file left behind
 
 

@@ -1,0 +1,163 @@
+// One-query attention over the decode mirror's lanes, float32: the CPU torch backend's decode
+// step (decode_attention.cpp exports it; decode_step.cpp runs it inside a whole decode step).
+//
+// Why a kernel of our own: per lane and KV head a decode step multiplies the GQA group's few
+// query rows (1-8) with S keys, takes a softmax, and multiplies the result with S values. MKL's
+// batched products run such thin shapes at a third or less of the machine's read bandwidth. Here
+// each (lane, KV head) streams its keys once and its values once, and every query row of the group
+// is updated from the same loaded vector, with the partial sums in registers (BENCHMARKS.md,
+// "A decode-attention kernel of our own").
+//
+// Layout (the mirror's, common/attention/decode_mirror.py), strides in floats:
+//   q    [B, heads, head_dim]              contiguous
+//   k    [B, kv_heads, head_dim, s_cap]    keys transposed: a position is a column
+//   v    [B, kv_heads, s_cap, head_dim]
+//   out  [B, heads, head_dim]              contiguous
+//   lens [B]                               keys of each row's lane, 1 .. s_cap
+// Row b of q and out reads lane lanes[b] of k and v (lane b when there is no lane table).
+// Query head h reads KV head h / (heads / kv_heads), the HF and SGLang convention.
+// Contract: head_dim and s_cap are multiples of 16 (VW). Score blocks read keys up to the next
+// multiple of 16 past a lane's length; those columns lie inside s_cap and their scores are never
+// used.
+//
+// Numerics: float32 throughout; the query is scaled before the product (as SDPA's CPU kernels do).
+// exp is Cephes' expf polynomial on vectors (within 2 ulp of expf over x <= 0, where it is used).
+// Sums run in another order than MKL's, so results move in the last bits against the torch path.
+#pragma once
+#include <cstdint>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "simd.h"
+
+namespace pdc::attention {
+
+// Software prefetch (a hint: no fault even past a buffer's end). Per lane and head the hardware
+// prefetchers alone kept a step at ~19 GB/s of keys and values out of ~38 a plain pass reads;
+// asking for the next score block's row segment while this block runs, and for the value row
+// PREFETCH_ROWS ahead, took 30 layers of SmolLM2's shape (8 lanes x 175 keys) from 3.4-3.9 to 2.3-2.5 ms.
+constexpr int PREFETCH_ROWS = 16;
+
+// Scores of GB query rows against keys [s0, s0 + SB * VW): q rows pre-scaled, sums in registers.
+template <int GB, int SB>
+inline void score_block(const float* q, int dim, const float* kt, int64_t ldk, int s0, float* scores, int64_t lds) {
+    vf acc[GB][SB];
+    for (int g = 0; g < GB; g++)
+        for (int j = 0; j < SB; j++) acc[g][j] = vf{};
+    for (int d = 0; d < dim; d++) {
+        const float* kd = kt + d * ldk + s0;
+        for (int j = 0; j < SB; j++) __builtin_prefetch(kd + (SB + j) * VW);  // this row, next block
+        vf key[SB];
+        for (int j = 0; j < SB; j++) key[j] = load(kd + j * VW);
+        for (int g = 0; g < GB; g++) {
+            vf qd = splat(q[g * dim + d]);
+            for (int j = 0; j < SB; j++) acc[g][j] += qd * key[j];
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int j = 0; j < SB; j++) store(scores + g * lds + s0 + j * VW, acc[g][j]);
+}
+
+// Softmax of one row of `len` scores, in place.
+inline void softmax_row(float* row, int len) {
+    int full = len / VW * VW;
+    vf topv = splat(row[0]);
+    for (int s = 0; s < full; s += VW) {
+        vf x = load(row + s);
+        topv = x > topv ? x : topv;
+    }
+    float top = row[0];
+    for (int j = 0; j < VW; j++) top = topv[j] > top ? topv[j] : top;
+    for (int s = full; s < len; s++) top = row[s] > top ? row[s] : top;
+    vf sumv{};
+    for (int s = 0; s < full; s += VW) {
+        vf e = exp_nonpos(load(row + s) - top);
+        store(row + s, e);
+        sumv += e;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < VW; j++) sum += sumv[j];
+    for (int s = full; s < len; s++) {
+        row[s] = exp_nonpos(row[s] - top);
+        sum += row[s];
+    }
+    float inv = 1.0f / sum;
+    for (int s = 0; s < len; s++) row[s] *= inv;
+}
+
+// out[g] = sum_s p[g][s] v[s] for GB rows and head_dim columns [d0, d0 + DB * VW).
+template <int GB, int DB>
+inline void value_block(const float* p, int64_t ldp, const float* v, int64_t ldv, int len, int d0, float* out, int dim) {
+    vf acc[GB][DB];
+    for (int g = 0; g < GB; g++)
+        for (int j = 0; j < DB; j++) acc[g][j] = vf{};
+    for (int s = 0; s < len; s++) {
+        const float* vs = v + s * ldv + d0;
+        for (int j = 0; j < DB; j++) __builtin_prefetch(vs + PREFETCH_ROWS * ldv + j * VW);
+        vf val[DB];
+        for (int j = 0; j < DB; j++) val[j] = load(vs + j * VW);
+        for (int g = 0; g < GB; g++) {
+            vf pg = splat(p[g * ldp + s]);
+            for (int j = 0; j < DB; j++) acc[g][j] += pg * val[j];
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int j = 0; j < DB; j++) store(out + g * dim + d0 + j * VW, acc[g][j]);
+}
+
+// GB (1-4) query rows of one KV head: scores, softmax, values. q is pre-scaled.
+template <int GB>
+void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, const float* v, int64_t ldv, int len,
+                 float* scores, int64_t lds, float* out) {
+    constexpr int SB = GB <= 2 ? 6 : 4;  // accumulators GB * SB <= 16 registers, with the keys beside
+    int s = 0;
+    for (; s + SB * VW <= len; s += SB * VW) score_block<GB, SB>(q, dim, kt, ldk, s, scores, lds);
+    for (; s < len; s += VW) score_block<GB, 1>(q, dim, kt, ldk, s, scores, lds);
+    for (int g = 0; g < GB; g++) softmax_row(scores + g * lds, len);
+    int d = 0;
+    for (; d + 4 * VW <= dim; d += 4 * VW) value_block<GB, 4>(scores, lds, v, ldv, len, d, out, dim);
+    for (; d < dim; d += VW) value_block<GB, 1>(scores, lds, v, ldv, len, d, out, dim);
+}
+
+// Every (row, KV head) of a batch, split over `num_threads` OpenMP threads. Row b reads lane
+// lanes[b] (b itself when lanes is null) and its first lens[b] keys. scratch: num_threads * (heads /
+// kv_heads) * (s_cap + head_dim) floats, each thread its own slice (scores, then the group's
+// scaled queries).
+template <typename Len>
+void run(const float* q, const float* k, const float* v, float* out, const int64_t* lanes, const Len* lens,
+         float* scratch, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t s_cap,
+         int64_t k_lane_stride, int64_t v_lane_stride, float scale, int num_threads) {
+    const int64_t group = heads / kv_heads, items = batch * kv_heads;
+    const int64_t slice = group * (s_cap + dim);
+    if (num_threads > items) num_threads = static_cast<int>(items);
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / kv_heads, h = it % kv_heads, lane = lanes == nullptr ? b : lanes[b];
+#ifdef _OPENMP
+        float* scores = scratch + omp_get_thread_num() * slice;
+#else
+        float* scores = scratch;
+#endif
+        float* qs = scores + group * s_cap;
+        const float* qh = q + (b * heads + h * group) * dim;
+        for (int64_t i = 0; i < group * dim; i++) qs[i] = qh[i] * scale;
+        const float* kt = k + lane * k_lane_stride + h * dim * s_cap;
+        const float* vh = v + lane * v_lane_stride + h * s_cap * dim;
+        float* oh = out + (b * heads + h * group) * dim;
+        const int len = static_cast<int>(lens[b]), d = static_cast<int>(dim);
+        for (int64_t g = 0; g < group;) {
+            const int64_t left = group - g;
+            float* sg = scores + g * s_cap;
+            const float* qg = qs + g * dim;
+            float* og = oh + g * dim;
+            if (left >= 4) { attend_rows<4>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 4; }
+            else if (left == 3) { attend_rows<3>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 3; }
+            else if (left == 2) { attend_rows<2>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 2; }
+            else { attend_rows<1>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 1; }
+        }
+    }
+}
+
+}  // namespace pdc::attention

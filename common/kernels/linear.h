@@ -1,0 +1,98 @@
+// y[M, N] = x[M, K] W^T (+ bias), float32, over a weight blocked by output columns: the CPU
+// projections' kernel (linear.cpp exports it for `--cpu-linear native`; decode_step.cpp runs it
+// inside a whole decode step). common/models/linear.py packs the weights.
+//
+// Why: a decode step multiplies a few rows by every weight, so it streams the weights once and is
+// bound by memory at 1-8 rows. oneDNN's packed kernel read them at ~80 % of the machine's read
+// bandwidth for one row and ~57 % for eight; here each block of 32 output columns is read once,
+// contiguously, for all the rows, with the rows' sums in registers (BENCHMARKS.md, "Projections
+// of our own").
+//
+// Layout: W blocked [ceil(N / 32)][K][32]: block b holds output columns 32b .. 32b + 31 for every
+// input k, the columns past N zero. x rows are ldx apart, y rows ldy apart.
+#pragma once
+#include <cstdint>
+
+#include "simd.h"
+
+namespace pdc::linear {
+
+constexpr int NB = 2 * VW;  // output columns per block
+constexpr int MR = 8;       // rows per register tile: 8 x 2 accumulators + 2 weight vectors
+#ifndef MC_ROWS
+#define MC_ROWS 128
+#endif
+constexpr int MC = MC_ROWS;  // rows per pass over the weights: their inputs stay in L2
+// Software prefetch this many k ahead (16 KiB of the block). At 8 rows a k step takes ~20 cycles,
+// so the hardware's own prefetch, and ours at 8 ahead, arrived late: 30 layers of SmolLM2's
+// projections at 8 rows took 16.1 ms at 8 ahead, 14.5-14.6 at 16-32, 12.9 at 64, 11.8 at 128 and
+// 12.8 at 256 (one thread, AMD EPYC Zen 5; oneDNN's packed kernel: 18.1-18.6 ms).
+constexpr int PREFETCH_K = 128;
+
+// Rows [0, R) of x times one weight block, into columns [0, cols) of y (cols < NB: the last block).
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* wb, int64_t K, const float* bias, float* y, int64_t ldy,
+                 int cols) {
+    vf acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vf{};
+    for (int64_t k = 0; k < K; k++) {
+        const float* w = wb + k * NB;
+        __builtin_prefetch(w + PREFETCH_K * NB);
+        __builtin_prefetch(w + PREFETCH_K * NB + VW);
+        vf w0 = load(w), w1 = load(w + VW);
+        for (int r = 0; r < R; r++) {
+            vf xr = splat(x[r * ldx + k]);
+            acc[r][0] += xr * w0;
+            acc[r][1] += xr * w1;
+        }
+    }
+    if (bias != nullptr) {
+        float b[NB] = {};
+        for (int c = 0; c < cols; c++) b[c] = bias[c];
+        vf b0 = load(b), b1 = load(b + VW);
+        for (int r = 0; r < R; r++) acc[r][0] += b0, acc[r][1] += b1;
+    }
+    if (cols == NB) {
+        for (int r = 0; r < R; r++) store(y + r * ldy, acc[r][0]), store(y + r * ldy + VW, acc[r][1]);
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < cols; c++) y[r * ldy + c] = c < VW ? acc[r][0][c] : acc[r][1][c - VW];
+}
+
+inline void rows(const float* x, int64_t ldx, int64_t m, const float* wb, int64_t K, const float* bias, float* y,
+                 int64_t ldy, int cols) {
+    int64_t r = 0;
+    for (; r + MR <= m; r += MR) tile<MR>(x + r * ldx, ldx, wb, K, bias, y + r * ldy, ldy, cols);
+    const float* xr = x + r * ldx;
+    float* yr = y + r * ldy;
+    switch (m - r) {
+        case 7: tile<7>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 6: tile<6>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 5: tile<5>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 4: tile<4>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 3: tile<3>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 2: tile<2>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 1: tile<1>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        default: break;
+    }
+}
+
+// The whole product, output blocks split over `num_threads` OpenMP threads.
+inline void run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* wb, int64_t N, const float* bias,
+                float* y, int64_t ldy, int num_threads) {
+    const int64_t blocks = (N + NB - 1) / NB;
+    if (num_threads > blocks) num_threads = static_cast<int>(blocks);
+    if (num_threads < 1) num_threads = 1;
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t m = M - m0 < MC ? M - m0 : MC;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int cols = N - b * NB < NB ? static_cast<int>(N - b * NB) : NB;
+            rows(x + m0 * ldx, ldx, m, wb + b * K * NB, K, bias == nullptr ? nullptr : bias + b * NB,
+                 y + m0 * ldy + b * NB, ldy, cols);
+        }
+    }
+}
+
+}  // namespace pdc::linear
