@@ -48,6 +48,7 @@ CPU_THREADS = EnvVar("PDC_CPU_THREADS", 0, "torch threads of a node's scheduler 
 CPU_BIND = EnvVar("PDC_CPU_BIND", "", "cores to pin a node's scheduler process to, e.g. 0-3 (empty: no pinning); --cpu-bind wins")
 CPU_SHARE = EnvVar("PDC_CPU_SHARE", "", "core-share group of co-located nodes: a decode step borrows the cores its idle neighbours lend (empty: off); --cpu-share wins")
 NATIVE_KERNELS = EnvVar("PDC_NATIVE_KERNELS", True, "CPU: build and use our C++ kernels (decode attention over the mirror, projections) with the machine's compiler (0: torch ops and oneDNN only)")
+NATIVE_DECODE_STEP = EnvVar("PDC_NATIVE_DECODE_STEP", True, "CPU: a Llama-family decode step runs as one call of our C++ kernel where every projection is ours (0: layer by layer, the same kernels inside)")
 KERNEL_CACHE_DIR = EnvVar("PDC_KERNEL_CACHE_DIR", "", "where built C++ kernels are cached (empty: $XDG_CACHE_HOME or ~/.cache, then pdcluster/kernels)")
 MALLOC_TUNING = EnvVar("PDC_MALLOC_TUNING", True, "scheduler processes keep freed activation memory mapped (glibc mallopt; 0: glibc's defaults)")
 CPU_SHARE_DIR = EnvVar("PDC_CPU_SHARE_DIR", "", "directory of the core-share boards (empty: /dev/shm, else /tmp)")

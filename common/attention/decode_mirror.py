@@ -72,6 +72,7 @@ class DecodeMirror:
         self._epoch: list[int] = []  # lane -> epoch of its row when filled
         self._len: list[int] = []  # lane -> positions filled
         self._token_bytes: dict[int, int] = {}  # layer id -> K+V bytes of one token (known once it ran)
+        self.generation = 0  # bumped whenever a buffer is allocated or freed (pointers into them go stale)
 
     @property
     def lanes_in_use(self) -> int:
@@ -84,6 +85,7 @@ class DecodeMirror:
         """Forget every lane and free the buffers (after a failed forward, or over budget)."""
         self._k.clear()
         self._v.clear()
+        self.generation += 1
         self._lanes_cap = self._s_cap = 0
         self._lane_of.clear()
         self._row_of, self._epoch, self._len = [], [], []
@@ -159,6 +161,21 @@ class DecodeMirror:
                  k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring this layer's lanes up to date and append the new token; returns the K and V
         views attention reads: K^T [B, kv_heads, head_dim, S] and V [B, kv_heads, S, head_dim] (pool dtype)."""
+        mk, mv = self._sync(layer_id, plan, k_buf, v_buf)
+        mk[plan.lanes, :, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
+        mv[plan.lanes, :, plan.positions] = v_new.to(mv.dtype)
+        b, s = plan.num_lanes, plan.max_seq
+        return mk[:b, :, :, :s], mv[:b, :, :s]
+
+    def prepare(self, plan: MirrorPlan, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor]) -> None:
+        """Bring every layer's lanes up to date for this step without appending: the whole-step
+        kernel (common/models/native_decode.py) appends the new tokens itself, then reads ``whole``."""
+        for layer_id, (k_buf, v_buf) in enumerate(zip(k_bufs, v_bufs)):
+            self._sync(layer_id, plan, k_buf, v_buf)
+
+    def _sync(self, layer_id: int, plan: MirrorPlan, k_buf: torch.Tensor,
+              v_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's buffers, with the plan's moves and fills applied (once per step)."""
         mk, mv = self._buffers(layer_id, k_buf)
         if layer_id not in plan.done_layers:
             plan.done_layers.add(layer_id)
@@ -168,10 +185,7 @@ class DecodeMirror:
             for lane, slots in plan.fills:
                 mk[lane, :, :, : slots.shape[0]] = k_buf.index_select(0, slots).permute(1, 2, 0)
                 mv[lane, :, : slots.shape[0]] = v_buf.index_select(0, slots).transpose(0, 1)
-        mk[plan.lanes, :, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
-        mv[plan.lanes, :, plan.positions] = v_new.to(mv.dtype)
-        b, s = plan.num_lanes, plan.max_seq
-        return mk[:b, :, :, :s], mv[:b, :, :s]
+        return mk, mv
 
     def whole(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's whole buffers, [L_cap, kv_heads, head_dim, S_cap] and [L_cap, kv_heads,
@@ -194,6 +208,7 @@ class DecodeMirror:
             new_v[:lanes, :, :s] = old_v
         self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
         self._k[layer_id], self._v[layer_id] = new_k, new_v
+        self.generation += 1
         return new_k, new_v
 
 

@@ -32,6 +32,7 @@ from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
 from common.models.linear import AUTO_MIN_ELEMENTS, pack_linears, resolve_mode
+from common.models.native_decode import NativeDecode
 from common.models.llama import Attention
 from common.parallel import SINGLE_RANK, TPGroup, rank_device
 
@@ -127,6 +128,8 @@ class ModelRunner:
             log.info("prefix cache off: %s keeps recurrent state, which the cache does not hold", self.arch.architecture)
         cache = RadixCache(allocator, page_size, enabled=prefix_cache)
         self.memory = KVMemory(allocator, self.req_to_token, cache, page_size, self.state_pool)
+        # A whole decode step in one native call where the model, weights and backend allow (CPU).
+        self.native_decode = NativeDecode.build(self.model, self.attn_backend, self.kv_pool, tp)
         log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d%s", num_pages, page_size,
                  self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len,
                  "" if self.state_pool is None else f", state {self.state_pool.nbytes() / 2**20:.1f} MiB")
@@ -229,7 +232,10 @@ class ModelRunner:
     def _run(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)
         try:
-            hidden = self.model.forward(batch)  # [B, hidden]
+            if self.native_decode is not None and self.native_decode.takes(batch):
+                hidden = self.native_decode.forward(batch)  # the whole step in one call (CPU)
+            else:
+                hidden = self.model.forward(batch)  # [B, hidden]
         except BaseException:
             self.attn_backend.reset()  # state it planned for this step was only partly written
             raise

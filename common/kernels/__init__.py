@@ -13,7 +13,7 @@ attention backend) and ``linear.cpp`` (the projections over weights blocked by o
 ``--cpu-linear native``, common/models/linear.py).
 
 Nothing here is required: without a C++ compiler, with ``PDC_NATIVE_KERNELS=0``, or when a build
-fails, ``decode_attention()`` / ``linear()`` return None once with a warning and the caller keeps
+fails, ``decode_attention()`` / ``linear()`` / ``decode_step()`` return None once with a warning and the caller keeps
 its torch-op or oneDNN path (same results up to rounding, slower; docs/BENCHMARKS.md says by how
 much).
 
@@ -75,7 +75,9 @@ def build(name: str, out_dir: Path | None = None) -> Path:
     cxx = _compiler()
     if cxx is None:
         raise OSError("no C++ compiler (set CXX, or install g++)")
-    source = (SOURCE_DIR / f"{name}.cpp").read_bytes()
+    # The source and every header beside it (the kernels share simd.h, linear.h, attention.h).
+    source = b"\0".join([(SOURCE_DIR / f"{name}.cpp").read_bytes(),
+                         *(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))])
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(CXX_FLAGS).encode(), _cpu_flags().encode()]))
     out_dir = out_dir or cache_dir()
@@ -202,3 +204,51 @@ def linear() -> Linear | None:
     """The projection kernel for this process, or None (oneDNN's or MKL's then)."""
     lib = _load("linear", "oneDNN / MKL")
     return None if lib is None else Linear(lib)
+
+
+class DecodeStep:
+    """``pdc_decode_step`` of decode_step.cpp: a whole decode step of a Llama-family model. The
+    caller (common/models/native_decode.py) fills ``Layer`` once per set of buffers and ``Shape``
+    once per mirror capacity."""
+
+    class Layer(ctypes.Structure):  # decode_step.cpp's ``Layer``, field for field
+        _fields_ = [(name, ctypes.c_void_p) for name in (
+            "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+            "gate_up_bias", "down", "down_bias", "k_pool", "v_pool", "k_mirror", "v_mirror")]
+
+    class Shape(ctypes.Structure):  # decode_step.cpp's ``Shape``
+        _fields_ = [*((name, ctypes.c_int64) for name in (
+            "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "s_cap")),
+            ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+    MAX_HEAD_DIM = 512  # decode_step.cpp's per-head buffer
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        step = lib.pdc_decode_step
+        step.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        step.restype = None
+        scratch = lib.pdc_decode_step_scratch
+        scratch.argtypes = [ptr, i64, ctypes.c_int]
+        scratch.restype = i64
+        self._step, self._scratch_floats = step, scratch
+
+    def scratch_floats(self, shape: "DecodeStep.Shape", batch: int, threads: int) -> int:
+        return int(self._scratch_floats(ctypes.byref(shape), batch, threads))
+
+    def __call__(self, layers: ctypes.Array, shape: "DecodeStep.Shape", x: torch.Tensor, final_norm: torch.Tensor,
+                 cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, lanes: torch.Tensor,
+                 positions: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor, threads: int) -> torch.Tensor:
+        """x [B, hidden] float32 embeddings -> the final norm's output [B, hidden]. cos, sin_signed
+        [B, head_dim] float32; slots, lanes, positions, lens [B] int64 (all contiguous, CPU)."""
+        out = torch.empty_like(x)
+        self._step(ctypes.addressof(layers), ctypes.addressof(shape), x.shape[0], x.data_ptr(), final_norm.data_ptr(),
+                   out.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), lanes.data_ptr(),
+                   positions.data_ptr(), lens.data_ptr(), scratch.data_ptr(), threads)
+        return out
+
+
+def decode_step() -> DecodeStep | None:
+    """The whole-step decode kernel for this process, or None (the layers' own path then)."""
+    lib = _load("decode_step", "the layer-by-layer path")
+    return None if lib is None else DecodeStep(lib)

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from common import kernels
 from common.config import AttentionConfig, CacheConfig, ModelConfig, NodeConfig, resolve
 from common.engine.driver import EngineDriver
 from tests.local_engine import LocalEngine
@@ -77,6 +78,8 @@ def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirr
     engine, runner = build_engine(tiny_model_dir, page_size, chunk, mirror_mib=mirror_mib, cpu_linear=cpu_linear)
     assert (runner.attn_backend.mirror is None) == (mirror_mib == 0)
     assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native"))  # auto: a tiny model's weights stay plain
+    if kernels.decode_step() is not None:  # native, over the mirror: each decode step is one call of our kernel
+        assert (runner.native_decode is not None) == (cpu_linear == "native" and mirror_mib > 0)
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 

@@ -1,0 +1,189 @@
+// A whole decode step of a Llama-family model (Llama, Qwen2, Qwen3) in one call, float32 on the
+// CPU: every layer's norms, projections, RoPE, K/V writes and attention over the decode mirror,
+// then the final norm. common/models/native_decode.py drives it (one ctypes call per step);
+// common/kernels/__init__.py builds and loads it.
+//
+// Why: with our projection and attention kernels a decode step of SmolLM2-135M's shape at one row
+// spent 11.5 ms in projections and ~5 ms more in the ~20 torch ops per layer between them (norms,
+// RoPE, residual adds, SiLU-mul, the K/V writes, each a dispatch of a few microseconds on a few
+// hundred floats) and in Python (BENCHMARKS.md, "A decode step in one call"). Here those ops are
+// loops over the batch's rows, in cache, between the same two kernels (linear.h, attention.h).
+//
+// Per layer, for the batch's B rows in batch order (res: the residual stream, x: the last
+// sublayer's output; layer 0 starts from the embeddings as its residual):
+//   res += x;  h = rms_norm(res) * input_norm
+//   qkv = h Wqkv^T (+ b);  q, k = rope(q_norm(q), k_norm(k))  (per-head norms: Qwen3 only)
+//   k, v -> the KV pool at slots[b] (what transfer and the prefix cache read) and the mirror lane
+//   lanes[b] at positions[b];  a = attention(q, lane, lens[b] keys)
+//   res += a Wo^T (+ b);  h = rms_norm(res) * post_norm;  x = (silu(g) * u) Wdown^T, g | u = h Wgu^T
+// and after the last layer: out = rms_norm(res + x) * final_norm.
+//
+// Numerics: float32 as the torch path, with sums in other orders (the norms' sums of squares in
+// 16 partial sums, the kernels' as linear.h and attention.h say) and SiLU through Cephes' exp:
+// results move in the last bits against the torch ops, as with any kernel change.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "attention.h"
+#include "linear.h"
+#include "simd.h"
+
+namespace {
+
+using namespace pdc;
+
+// One layer's tensors (common/kernels/__init__.py: DecodeStep's ctypes mirror of this struct).
+struct Layer {
+    const float* input_norm;
+    const float* post_norm;
+    const float* q_norm;  // null: no per-head norms
+    const float* k_norm;
+    const float* qkv;  // packed as linear.h says, [q heads | kv heads | kv heads] output columns
+    const float* qkv_bias;  // null: none (and the same for the biases below)
+    const float* o;
+    const float* o_bias;
+    const float* gate_up;  // [gate | up] output columns
+    const float* gate_up_bias;
+    const float* down;
+    const float* down_bias;
+    float* k_pool;  // [slots, kv_heads, head_dim]
+    float* v_pool;
+    float* k_mirror;  // [lanes, kv_heads, head_dim, s_cap]
+    float* v_mirror;  // [lanes, kv_heads, s_cap, head_dim]
+};
+
+struct Shape {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, s_cap;
+    float eps, scale;
+};
+
+// Scratch floats of each buffer, in the order they lie in the caller's scratch.
+struct Scratch {
+    float *res, *h, *qkv, *q, *att, *tmp, *gu, *act, *attn;
+    Scratch(const Shape& s, int64_t b, float* base) {
+        res = base;
+        h = res + b * s.hidden;
+        qkv = h + b * s.hidden;
+        q = qkv + b * (s.heads + 2 * s.kv_heads) * s.head_dim;
+        att = q + b * s.heads * s.head_dim;
+        tmp = att + b * s.heads * s.head_dim;
+        gu = tmp + b * s.hidden;
+        act = gu + b * 2 * s.inter;
+        attn = act + b * s.inter;
+    }
+    static int64_t floats(const Shape& s, int64_t b, int threads) {
+        const int64_t rows = b * (3 * s.hidden + (3 * s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.inter);
+        return rows + threads * (s.heads / s.kv_heads) * (s.s_cap + s.head_dim);  // attention.h's scratch
+    }
+};
+
+// y[n] = x[n] / rms(x) * w[n] (torch.rms_norm's order: normalise, then the weight).
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
+    vf acc{};
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf v = load(x + i);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    i = 0;
+    for (; i + VW <= n; i += VW) store(y + i, load(x + i) * inv * load(w + i));
+    for (; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+void add(float* acc, const float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) store(acc + i, load(acc + i) + load(x + i));
+    for (; i < n; i++) acc[i] += x[i];
+}
+
+// One head, d floats: optional per-head norm, then RoPE's rotate-half with the sign folded into
+// sin (out[i] = x[i] cos[i] + x[(i + d/2) % d] sin_signed[i]).
+void norm_rope(const float* x, const float* norm, float eps, const float* cos, const float* sin, float* out,
+               int64_t d) {
+    float buf[512];  // head_dim <= 512 (checked by the caller)
+    if (norm != nullptr) {
+        rms_norm(x, norm, buf, d, eps);
+        x = buf;
+    }
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+}
+
+// act[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u, with e^-|g| so the exponent never overflows.
+void silu_mul(const float* g, const float* u, float* act, int64_t n) {
+    int64_t i = 0;
+    const vf one = splat(1.0f);
+    for (; i + VW <= n; i += VW) {
+        vf x = load(g + i);
+        vf ax = x < 0 ? -x : x;
+        vf t = exp_nonpos(-ax);
+        vf sig = x < 0 ? t / (one + t) : one / (one + t);
+        store(act + i, x * sig * load(u + i));
+    }
+    for (; i < n; i++) act[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+}  // namespace
+
+extern "C" int64_t pdc_decode_step_scratch(const Shape* shape, int64_t batch, int num_threads) {
+    return Scratch::floats(*shape, batch, num_threads < 1 ? 1 : num_threads);
+}
+
+// x_in [B, hidden]: the embeddings of the step's tokens; out [B, hidden]: the final norm's output.
+// cos, sin_signed [B, head_dim]; slots, lanes, positions, lens [B]: each row's pool slot for its new
+// token, its mirror lane, the token's position and the keys it attends (position + 1).
+extern "C" void pdc_decode_step(const Layer* layers, const Shape* shape, int64_t batch, const float* x_in,
+                                const float* final_norm, float* out, const float* cos, const float* sin_signed,
+                                const int64_t* slots, const int64_t* lanes, const int64_t* positions,
+                                const int64_t* lens, float* scratch, int num_threads) {
+    const Shape& s = *shape;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t H = s.hidden, d = s.head_dim, q_size = s.heads * d, kv_size = s.kv_heads * d;
+    const int64_t n_qkv = q_size + 2 * kv_size, I = s.inter;
+    const int64_t k_lane = s.kv_heads * d * s.s_cap, v_lane = k_lane;
+    Scratch sc(s, batch, scratch);
+    std::memcpy(sc.res, x_in, sizeof(float) * batch * H);
+    for (int64_t l = 0; l < s.layers; l++) {
+        const Layer& L = layers[l];
+        for (int64_t b = 0; b < batch; b++) {
+            if (l > 0) add(sc.res + b * H, sc.tmp + b * H, H);
+            rms_norm(sc.res + b * H, L.input_norm, sc.h + b * H, H, s.eps);
+        }
+        linear::run(sc.h, batch, H, H, L.qkv, n_qkv, L.qkv_bias, sc.qkv, n_qkv, num_threads);
+        for (int64_t b = 0; b < batch; b++) {
+            const float* row = sc.qkv + b * n_qkv;
+            const float *c = cos + b * d, *sn = sin_signed + b * d;
+            for (int64_t h = 0; h < s.heads; h++)
+                norm_rope(row + h * d, L.q_norm, s.eps, c, sn, sc.q + b * q_size + h * d, d);
+            const int64_t lane = lanes[b], pos = positions[b];
+            for (int64_t h = 0; h < s.kv_heads; h++) {
+                float* kp = L.k_pool + slots[b] * kv_size + h * d;
+                float* vp = L.v_pool + slots[b] * kv_size + h * d;
+                norm_rope(row + q_size + h * d, L.k_norm, s.eps, c, sn, kp, d);
+                std::memcpy(vp, row + q_size + kv_size + h * d, sizeof(float) * d);
+                float* km = L.k_mirror + lane * k_lane + h * d * s.s_cap + pos;  // column pos of [d, s_cap]
+                float* vm = L.v_mirror + lane * v_lane + (h * s.s_cap + pos) * d;
+                for (int64_t i = 0; i < d; i++) km[i * s.s_cap] = kp[i];
+                std::memcpy(vm, vp, sizeof(float) * d);
+            }
+        }
+        attention::run(sc.q, L.k_mirror, L.v_mirror, sc.att, lanes, lens, sc.attn, batch, s.heads, s.kv_heads, d,
+                       s.s_cap, k_lane, v_lane, s.scale, num_threads);
+        linear::run(sc.att, batch, q_size, q_size, L.o, H, L.o_bias, sc.tmp, H, num_threads);
+        for (int64_t b = 0; b < batch; b++) {
+            add(sc.res + b * H, sc.tmp + b * H, H);
+            rms_norm(sc.res + b * H, L.post_norm, sc.h + b * H, H, s.eps);
+        }
+        linear::run(sc.h, batch, H, H, L.gate_up, 2 * I, L.gate_up_bias, sc.gu, 2 * I, num_threads);
+        for (int64_t b = 0; b < batch; b++) silu_mul(sc.gu + b * 2 * I, sc.gu + b * 2 * I + I, sc.act + b * I, I);
+        linear::run(sc.act, batch, I, I, L.down, H, L.down_bias, sc.tmp, H, num_threads);
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        add(sc.res + b * H, sc.tmp + b * H, H);
+        rms_norm(sc.res + b * H, final_norm, out + b * H, H, s.eps);
+    }
+}
