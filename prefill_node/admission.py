@@ -24,6 +24,14 @@ Budgets (all must hold after every add):
       step 2: [ C[k:2k] | D (whole) ]                      still chunked; only whole prompts join
       step 3: [ C[2k:] | E (whole) | F[0:j] ]              C done, F is chunked now
 
+  A waiting prompt that would have to be cut while the chunked request goes on cannot start
+  this step whatever comes after it (``waits_for_chunk``), so the prompts behind it are still
+  offered, whole: without that, one long prompt waiting behind another held every short prompt
+  behind both until the first finished (with 10 % 2048-token prompts among 128-token ones, short
+  prompts' time to first token reached 13-18 s at 1.4 req/s; docs/BENCHMARKS.md, "Goodput under
+  SLO on this machine"). It keeps its place: the step after the chunked request ends, it is
+  first again.
+
 * **KV pages**: a new request reserves the pages of its whole prompt at admission, minus the
   pages its cached prefix already provides (so a chunked request can never run out of memory
   half-way). ``available_pages`` is what the KV memory can hand out: free pages plus pages the
@@ -116,6 +124,14 @@ class PrefillAdder:
         if remaining < 1:
             raise ValueError(f"chunked request with {remaining} tokens left")
         return self._take(remaining, self._slice(remaining), continuing=True)
+
+    def waits_for_chunk(self, prompt_len: int, cached_len: int) -> bool:
+        """Whether this request would be cut while another one is the chunked request: it cannot
+        start this step, and the requests behind it may still join whole (module docstring)."""
+        if self.closed or not self.whole_only or not 0 <= cached_len < prompt_len:
+            return False
+        remaining = prompt_len - cached_len
+        return self._slice(remaining) < remaining
 
     def can_add(self, prompt_len: int, cached_len: int) -> bool:
         """Whether ``add_new`` could accept this request; read-only. A necessary condition only

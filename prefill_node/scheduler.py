@@ -303,7 +303,10 @@ class PrefillScheduler:
         if req.grammar is not None and req.grammar.poll(now) != "ready":
             return True  # its grammar is compiling (or failed: dropped next step); the batch goes on
         try:
-            n = self._admit(req, adder, prefix_len(req))
+            cached_guess = prefix_len(req)
+            if adder.waits_for_chunk(req.prompt_len, cached_guess):
+                return True  # cannot start while another prompt is chunked; shorter ones behind it may
+            n = self._admit(req, adder, cached_guess)
         except Exception as exc:  # the adder may be half-updated: stop adding this step
             self._request_error(req, "admission", exc)
             return False

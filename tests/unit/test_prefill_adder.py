@@ -43,12 +43,16 @@ def test_chunked_prefill_sequence_keeps_one_partial_request() -> None:
     assert not a.closed and a.whole_only
     assert a.can_add(6, 0) and a.add_new(6, 0) == 6
     assert not a.can_add(9, 0) and a.add_new(9, 0) is None
+    assert a.waits_for_chunk(9, 0) and a.waits_for_chunk(16, 4)  # cut: it cannot start this step
+    assert not a.waits_for_chunk(6, 0) and not a.waits_for_chunk(12, 8)  # whole: it could
     assert a.batch_tokens == 14
     # step 3: it finishes; new prompts fill the rest, the last one becomes the chunked request
     a = adder(32, 8)
     assert a.add_chunked(4) == 4 and not a.closed and not a.whole_only
+    assert not a.waits_for_chunk(30, 0)  # no other request is chunked: it starts, cut, now
     assert a.add_new(5, 0) == 5
     assert a.add_new(30, 0) == 8 and a.closed
+    assert not a.waits_for_chunk(3, 0)  # closed: nothing more this step
     assert a.batch_tokens == 17
 
 

@@ -102,6 +102,32 @@ def test_a_short_prompt_joins_the_chunked_requests_slice_and_finishes_first() ->
     node.assert_idle()
 
 
+def test_a_short_prompt_overtakes_one_that_must_wait_for_the_chunked_request() -> None:
+    """A prompt that would be cut cannot start while another is chunked, so one behind it that
+    fits whole runs in the long one's next slice instead of waiting behind both; the overtaken
+    prompt keeps its place and starts the step the long one ends."""
+    node = Node(page_size=4, chunk=8, max_tokens=16)
+    long, big, short = prompt(24), prompt(12, base=200), prompt(5, base=100)
+    node.step(gen("long", long, room=1), gen("big", big, room=2), gen("short", short, room=3))
+    node.ready(1)
+    node.step()  # long[0:8]
+    node.ready(2, 3)
+    node.step()  # long[8:16] + short (whole), although big arrived first
+    rows = {req.rid: req.kv.row for req in (node.sched.queues.chunked, *node.sched.queues.inflight)}  # type: ignore[union-attr]
+    assert node.engine.calls[1] == [(rows["long"], long[8:16], 8, False), (rows["short"], short, 0, True)]
+    assert [r.rid for r in node.sched.queues.waiting] == ["big"]
+    node.step()  # long ends; big is first again and gets the rest of the budget
+    assert [c[1] for c in node.engine.calls[2]] == [long[16:24], big[:8]]
+    node.step()
+    assert [c[1] for c in node.engine.calls[3]] == [big[8:]]
+    for room, ids in ((1, long), (2, big), (3, short)):
+        s = node.sender(room)
+        assert len(s.pages) == len(set(s.pages)) == -(-len(ids) // 4) and s.sent[-1][1]
+        s.state = KVPoll.Success
+    node.step()
+    node.assert_idle()
+
+
 def test_second_request_reuses_the_cached_prefix_and_sends_those_pages_too() -> None:
     node = Node(page_size=4)
     a = prompt(12)
