@@ -101,8 +101,18 @@ class DecodeStats:
             "pdc_decode_local_prefill_tokens_total": float(s.counters.local_prefill_tokens),
             "pdc_decode_transferred_bytes_total": float(s.counters.transferred_pages * self.page_nbytes),
             "kv_integrity_failures_total": float(s.memory.digests.failures if s.memory.digests is not None else 0),
+            **self._steps(),
             **(s.grammars.metrics() if s.grammars is not None else {}),
         } | ({} if self._events is None else self._events.metrics())
+
+    def _steps(self) -> dict[str, float]:
+        """Decode forwards, and how many ran as one call of the whole-step CPU kernel
+        (common/models/native_decode.py); absent where the engine is not a real runner's."""
+        runner = getattr(self.sched.engine, "runner", None)
+        if runner is None:
+            return {}
+        return {"pdc_decode_forward_steps_total": float(runner.decode_steps),
+                "pdc_decode_native_steps_total": float(runner.native_decode_steps)}
 
     def _fenced(self) -> dict[str, int]:
         """Failed rooms whose memory stays held while their prefill may still write (never free,
