@@ -238,9 +238,11 @@ def open_board(group: str, *, role: str, threads: int, cores: int, device: str, 
     count, as without a group.
 
     ``splits``: whether this node's forward gains from more threads. A decode borrows only then;
-    the node passes whether its projections are oneDNN-packed (common/models/linear.py). MKL's
-    few-row products barely split over two threads, and a tiny model's step is all per-op
-    overhead: borrowing for it doubled the tiny model's TPOT (7-8 ms to 13-17 ms, BENCHMARKS).
+    the node passes whether its projections are packed and a real model's
+    (``ModelRunner.splits_well``, common/models/linear.py). MKL's few-row products barely split
+    over two threads, and a tiny model's step is all per-op overhead: borrowing for it doubled the
+    tiny model's TPOT (7-8 ms to 13-17 ms, BENCHMARKS), and with its projections packed for the
+    whole-step kernel it still cost 15-40 % of its throughput at c=32.
     Such a node still claims its threads, so its neighbours see them."""
     if not group:
         return None

@@ -31,7 +31,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
-from common.models.linear import AUTO_MIN_ELEMENTS, pack_linears, resolve_mode
+from common.models.linear import AUTO_MIN_ELEMENTS, pack_linears, resolve_mode, splits_well
 from common.models.native_decode import NativeDecode
 from common.models.llama import Attention
 from common.parallel import SINGLE_RANK, TPGroup, rank_device
@@ -101,9 +101,13 @@ class ModelRunner:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         native = kernels.linear() if self.cpu_linear in ("auto", "native") else None  # None: oneDNN packs
+        # auto: every projection for our kernel where it builds (a tiny model's too: its decode step
+        # is then one call of the whole-step kernel, below), else only large ones for oneDNN.
+        small_too = self.cpu_linear != "auto" or native is not None
         self.packed_linears = 0 if self.cpu_linear == "plain" else pack_linears(
-            self.model, min_elements=AUTO_MIN_ELEMENTS if self.cpu_linear == "auto" else 0,
+            self.model, min_elements=0 if small_too else AUTO_MIN_ELEMENTS,
             dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None, native=native)
+        self.splits_well = self.packed_linears > 0 and splits_well(self.model)
         if self.packed_linears:
             log.info("packed %d projections for %s (--cpu-linear %s)", self.packed_linears,
                      "oneDNN" if native is None else "our kernel", self.cpu_linear)

@@ -20,11 +20,15 @@ held 8 rows at 23. It needs a C++ compiler (common/kernels); without one ``auto`
 
 What packing costs. One layout serves every row count: the plain weight is freed once its packed
 copy exists, so memory does not grow (our layout pads the output columns to a multiple of 32).
-A small matrix that stays in cache is faster plain at any row count (oneDNN's call costs ~40 us
-more; ours, through ctypes, a few us, which a tiny model's step notices): ``auto`` packs only
-weights of 2^18 elements or more, so a tiny test model stays plain, a real one (SmolLM2-135M:
-0.33-1.8 M per projection) is packed; ``packed`` (oneDNN) and ``native`` (ours) pack every
-projection. Each kernel sums in its own order: the outputs differ from MKL's in the last bits
+Where our kernel builds, ``auto`` packs every projection for it, a tiny model's too: called one
+by one, a small matrix that stays in cache is a little faster plain (ours, through ctypes, costs a
+few us per call), but packed, a Llama-family decode step runs as one call of the whole-step
+kernel (common/models/native_decode.py), 3.2x faster at one row on the tiny test model and 1.9x
+at 32 (docs/BENCHMARKS.md, "A decode step in one call"); its prefill is as fast either way.
+Where ours does not build, ``auto`` packs for oneDNN only weights of 2^18 elements or more
+(oneDNN's call costs ~40 us more than MKL's), so a tiny model stays plain and a real one
+(SmolLM2-135M: 0.33-1.8 M per projection) is packed; ``packed`` (oneDNN) and ``native`` (ours)
+pack every projection. Each kernel sums in its own order: the outputs differ from MKL's in the last bits
 (2e-6 on the tiny model), so agreement with HF rests on the near-tie rule of the engine tests, as
 it does for any kernel change. ``--cpu-linear plain`` keeps MKL everywhere.
 
@@ -145,10 +149,10 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 def resolve_mode(mode: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """"auto" stays "auto" where oneDNN serves this device and dtype (CPU, float32: the large
-    projections are packed, for our kernel where it builds, else for oneDNN), else becomes plain.
-    "native" is "auto" for every projection, and becomes "auto" (said once) where our kernel
-    does not build. "packed" and "bf16" need oneDNN too; "bf16" on a
+    """"auto" stays "auto" where oneDNN serves this device and dtype (CPU, float32: every
+    projection packed for our kernel where it builds, else the large ones for oneDNN), else
+    becomes plain. "native" is "auto" that insists on our kernel (an error off CPU float32), and
+    becomes "auto" (said once) where it does not build. "packed" and "bf16" need oneDNN too; "bf16" on a
     CPU without bfloat16 instructions runs (oneDNN emulates them) but slower than float32, and
     says so."""
     if mode not in MODES:
@@ -169,10 +173,25 @@ def resolve_mode(mode: str, device: torch.device | str, dtype: torch.dtype) -> s
     return mode
 
 
-# "auto" packs a weight from this many elements (1 MiB in float32). A smaller matrix stays in
-# cache between steps, where MKL's call (~10 us) beats oneDNN's (~40 us of overhead per call,
-# measured at 256x256); the packed layout pays off on weights streamed from memory.
+# "auto" packs a weight for oneDNN from this many elements (1 MiB in float32). A smaller matrix
+# stays in cache between steps, where MKL's call (~10 us) beats oneDNN's (~40 us of overhead per
+# call, measured at 256x256); the packed layout pays off on weights streamed from memory. The
+# same size tells whether a forward gains from more threads (``splits_well``).
 AUTO_MIN_ELEMENTS = 1 << 18
+
+
+def projections(model: nn.Module) -> list[torch.Tensor | BlockedWeight]:
+    """Every projection named in a module's ``PACKED_LINEARS``, in whatever layout it is now."""
+    return [w for module in model.modules() for name in getattr(type(module), "PACKED_LINEARS", ())
+            if (w := getattr(module, name)) is not None]
+
+
+def splits_well(model: nn.Module) -> bool:
+    """Whether a forward of this model gains from more threads: its projections are a real
+    model's (some of ``AUTO_MIN_ELEMENTS`` or more). A tiny model's forward is too short to split:
+    spread over cores it only waits for them (a co-located decode borrows cores only when this
+    holds, common/cpu_share.py)."""
+    return any(w.shape[0] * w.shape[1] >= AUTO_MIN_ELEMENTS for w in projections(model))
 
 
 def pack_linears(model: nn.Module, min_elements: int = 0, dtype: torch.dtype | None = None,

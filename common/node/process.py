@@ -138,7 +138,7 @@ class NodeProcess:
                 self.grammars.agree_min = self.agreement.agree_min_int
             self.cores = open_board(cfg.cpu.share, role=part.role, threads=cfg.cpu.threads, cores=cfg.cpu.cores(),
                                     device=str(self.runner.device), tp_size=group.size,
-                                    splits=self.runner.packed_linears > 0)
+                                    splits=self.runner.splits_well)
             self.scheduler, self.stats = part.build_scheduler(
                 self.runner, EngineDriver(self.runner, sampler, self.cores), StopChecker(tokenizer.eos_token_ids, tokenizer.decode),
                 self.manager, self.agreement, self.grammars)

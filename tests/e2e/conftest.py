@@ -39,8 +39,8 @@ def pd_cluster(request: pytest.FixtureRequest, tiny_model_factory: Callable[...,
     if request.param == "qwen3":
         yield request.getfixturevalue("qwen3_pair")
         return
-    # --cpu-linear native: every projection in our kernel's layout, so this decode node's steps run
-    # as one call of the whole-step kernel (common/models/native_decode.py) where it builds.
+    # --cpu-linear native: our kernel's layout insisted on (auto picks it too where it builds), so
+    # this decode node's steps run as one call of the whole-step kernel (common/models/native_decode.py).
     with running_cluster(tiny_model_factory(request.param),
                          decode_args=["--stream-interval", "3", "--disaggregation-decode-enable-radix-cache",
                                       "--cpu-linear", "native"]) as c:

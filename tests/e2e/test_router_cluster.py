@@ -160,7 +160,7 @@ def test_openai_client_32_concurrent_match_hf_and_every_node_serves(routed: Rout
         cpu = info["cpu"]
         assert cpu["threads"] == split_threads(4) and cpu["bind"] is None and cpu["share"], (n.name, cpu)
         groups.add(cpu["share"])
-        # A tiny model's projections stay plain (MKL): its decode does not borrow (common/cpu_share.py).
+        # A tiny model's forward is too short to split (ModelRunner.splits_well): its decode does not borrow.
         assert info["cpu_share"]["borrow"] is False and info["cpu_share"]["base_threads"] == cpu["threads"]
     assert len(groups) == 1
     before = routed.counters()

@@ -69,17 +69,21 @@ def compare(model_dir: str, prompts: list[list[int]], outputs: list[list[int]]) 
 
 @pytest.mark.parametrize("page_size,chunk,mirror_mib,cpu_linear",
                          [(1, 32, 1024, "auto"), (16, 48, 1024, "auto"), (16, 48, 0, "auto"),
-                          (1, 32, 1024, "packed"), (16, 48, 0, "packed"), (16, 48, 1024, "native")])
+                          (1, 32, 1024, "packed"), (16, 48, 0, "packed"), (16, 48, 1024, "native"),
+                          (16, 48, 1024, "plain")])
 def test_greedy_matches_hf(tiny_model_dir: str, page_size: int, chunk: int, mirror_mib: int, cpu_linear: str) -> None:
     """mirror_mib 0: decode gathers K/V from the pages (the torch backend's path without the
-    decode mirror); otherwise decode reads the mirror. cpu_linear: MKL's plain projections (what
-    auto picks for a tiny model's small weights) or oneDNN-packed ones."""
+    decode mirror); otherwise decode reads the mirror. cpu_linear: our kernel's layout (auto, where
+    it builds, and native: with the mirror each decode step is one call of the whole-step kernel),
+    oneDNN-packed projections, or MKL's plain ones (the layers one by one over the mirror)."""
     torch.manual_seed(0)
     engine, runner = build_engine(tiny_model_dir, page_size, chunk, mirror_mib=mirror_mib, cpu_linear=cpu_linear)
     assert (runner.attn_backend.mirror is None) == (mirror_mib == 0)
-    assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native"))  # auto: a tiny model's weights stay plain
-    if kernels.decode_step() is not None:  # native, over the mirror: each decode step is one call of our kernel
-        assert (runner.native_decode is not None) == (cpu_linear == "native" and mirror_mib > 0)
+    ours = kernels.linear() is not None  # auto packs every projection for our kernel where it builds
+    assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native") or (cpu_linear == "auto" and ours))
+    assert not runner.splits_well  # a tiny model's forward is too short to spread over cores
+    if kernels.decode_step() is not None:  # our projections, over the mirror: each decode step is one call of our kernel
+        assert (runner.native_decode is not None) == (cpu_linear in ("auto", "native") and mirror_mib > 0)
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
@@ -123,7 +127,7 @@ def test_hybrid_greedy_matches_hf(tiny_lfm2: str, page_size: int, chunk: int, cp
     longer than 7 tokens, mid-page too) and updated in place by batched decode; slots are reused
     by the second pass, so a slot not reset on reuse would show as a divergence there."""
     engine, runner = build_engine(tiny_lfm2, page_size, chunk, cpu_linear=cpu_linear)
-    assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native"))
+    assert (runner.packed_linears > 0) == (cpu_linear in ("packed", "native") or (cpu_linear == "auto" and kernels.linear() is not None))
     assert runner.state_pool is not None and not runner.memory.cache.enabled
     prompts = make_prompts(runner.arch.vocab_size, seed=page_size + 10)
     greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

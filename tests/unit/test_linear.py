@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from common import kernels
-from common.models.linear import BlockedWeight, linear, pack_linears, resolve_mode
+from common.models.linear import AUTO_MIN_ELEMENTS, BlockedWeight, linear, pack_linears, resolve_mode, splits_well
 
 
 class Layer(nn.Module):
@@ -45,8 +45,23 @@ def test_auto_packs_only_weights_large_enough_to_stream() -> None:
     assert pack_linears(layer, min_elements=48 * 32) == 1 and layer.proj.is_mkldnn
 
 
+def test_only_a_real_models_projections_split_well_over_cores() -> None:
+    tiny, real = Layer(), Layer()
+    real.proj = nn.Parameter(torch.randn(AUTO_MIN_ELEMENTS // 256, 256), requires_grad=False)
+    assert not splits_well(tiny) and splits_well(real)
+    pack_linears(tiny)
+    pack_linears(real)  # the same in oneDNN's layout
+    assert not splits_well(tiny) and splits_well(real)
+    kernel = kernels.linear()
+    if kernel is not None:  # and in ours
+        layer = Layer()
+        layer.proj = nn.Parameter(torch.randn(AUTO_MIN_ELEMENTS // 256, 256), requires_grad=False)
+        pack_linears(layer, native=kernel)
+        assert isinstance(layer.proj, BlockedWeight) and splits_well(layer)
+
+
 def test_the_mode_follows_device_and_dtype() -> None:
-    assert resolve_mode("auto", "cpu", torch.float32) == "auto"  # the large projections only
+    assert resolve_mode("auto", "cpu", torch.float32) == "auto"  # packed: ours where it builds, else oneDNN
     assert resolve_mode("auto", "cpu", torch.bfloat16) == "plain"
     assert resolve_mode("auto", "cuda:0", torch.float32) == "plain"
     assert resolve_mode("plain", "cpu", torch.float32) == "plain"

@@ -151,7 +151,8 @@ def test_whole_step_on_two_threads(tiny_qwen3: str) -> None:
 
 def test_whole_step_only_where_it_applies(tiny_qwen3: str, tiny_lfm2: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert make_runner(tiny_qwen3, True).native_decode is not None
-    assert make_runner(tiny_qwen3, True, cpu_linear="auto").native_decode is None  # a tiny model's weights stay plain
+    assert make_runner(tiny_qwen3, True, cpu_linear="auto").native_decode is not None  # auto packs for our kernel
+    assert make_runner(tiny_qwen3, True, cpu_linear="plain").native_decode is None  # MKL's layout
     assert make_runner(tiny_qwen3, True, cpu_linear="packed").native_decode is None  # oneDNN's layout
     assert make_runner(tiny_qwen3, True, mirror_mib=0).native_decode is None  # no mirror to attend over
     assert make_runner(tiny_lfm2, True).native_decode is None  # conv layers
