@@ -60,6 +60,9 @@ FAULT_STOP_BEFORE_WRITE_ROOM = EnvVar(
 FAULT_STOP_AFTER_WRITES = EnvVar(
     "PDC_FAULT_STOP_AFTER_WRITES", 0,
     "FAULT INJECTION, tests only: engine writes of PDC_FAULT_STOP_BEFORE_WRITE_ROOM a worker lets through before it stops (0: before the first)")
+FAULT_DECODE_STEP_DELAY_S = EnvVar(
+    "PDC_FAULT_DECODE_STEP_DELAY_S", 0.0,
+    "FAULT INJECTION, tests only (0: off): a decode node sleeps this long after each decode step, so a test can act on a request mid-generation")
 FAULT_STOP_RANK = EnvVar("PDC_FAULT_STOP_RANK", -1, "FAULT INJECTION, tests only: only this TP rank stops for PDC_FAULT_STOP_BEFORE_WRITE_ROOM (-1: every rank)")
 ACCEPT_BEARER_SECRET = EnvVar("PDC_ACCEPT_BEARER_SECRET", False, "nodes also accept the cluster secret as a bearer token (for sglang-router); --accept-bearer-secret wins")
 INSECURE = EnvVar("PDC_INSECURE", False, "let a node or registry listen on a non-loopback address without a cluster secret; --insecure wins")

@@ -89,7 +89,8 @@ class DecodePart:
             engine, memory, rooms, self._aux, stop, DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
             DecodeSchedConfig(max_running_requests=self.max_running_requests, recompute_tokens_per_step=chunk,
-                              check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval),
+                              check_aux_room=self.transfer.backend != "fake", stream_interval=s.stream_interval,
+                              fault_step_delay_s=envs.FAULT_DECODE_STEP_DELAY_S.get()),
             agree_all=agreement.agree_all, grammars=grammars)
         lay = runner.kv_pool.layout
         page_nbytes = 2 * lay.num_layers * lay.bytes_per_page_per_layer  # K and V of every layer

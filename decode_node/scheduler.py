@@ -77,6 +77,9 @@ class DecodeSchedConfig:
     check_aux_room: bool  # False with the fake backend: it writes no aux row
     stream_interval: int  # a streamed request's tokens go out every this many (first and last at once)
     drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
+    # FAULT INJECTION, tests only (PDC_FAULT_DECODE_STEP_DELAY_S): sleep this long after each decode
+    # step, so a test can act on a request mid-generation however fast the steps are.
+    fault_step_delay_s: float = 0.0
 
 
 class DecodeScheduler:
@@ -389,6 +392,8 @@ class DecodeScheduler:
         self.counters.decode_forward_seconds += time.perf_counter() - t0
         self.counters.decode_steps += 1
         self.counters.decode_batch_reqs += len(items)
+        if self.cfg.fault_step_delay_s > 0:
+            time.sleep(self.cfg.fault_step_delay_s)
         self.ratio.on_decode_step()
         digest_pages = self.memory.cache.enabled and self.memory.digests is not None
         for r, tok in zip(batch, tokens):

@@ -106,13 +106,10 @@ class DecodeStats:
         } | ({} if self._events is None else self._events.metrics())
 
     def _steps(self) -> dict[str, float]:
-        """Decode forwards, and how many ran as one call of the whole-step CPU kernel
-        (common/models/native_decode.py); absent where the engine is not a real runner's."""
+        """Decode steps that ran as one call of the whole-step CPU kernel (common/models/
+        native_decode.py), beside ``decode_steps_total``; absent where the engine is not a runner's."""
         runner = getattr(self.sched.engine, "runner", None)
-        if runner is None:
-            return {}
-        return {"pdc_decode_forward_steps_total": float(runner.decode_steps),
-                "pdc_decode_native_steps_total": float(runner.native_decode_steps)}
+        return {} if runner is None else {"pdc_decode_native_steps_total": float(runner.native_decode_steps)}
 
     def _fenced(self) -> dict[str, int]:
         """Failed rooms whose memory stays held while their prefill may still write (never free,

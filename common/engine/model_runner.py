@@ -134,9 +134,9 @@ class ModelRunner:
         self.memory = KVMemory(allocator, self.req_to_token, cache, page_size, self.state_pool)
         # A whole decode step in one native call where the model, weights and backend allow (CPU).
         self.native_decode = NativeDecode.build(self.model, self.attn_backend, self.kv_pool, tp)
-        # Decode steps run, and how many of them as that one call (the decode's /metrics: a node
-        # whose mirror outgrew its budget, say, shows steps falling back to the layers).
-        self.decode_steps = self.native_decode_steps = 0
+        # Decode steps that ran as that one call (the decode's /metrics, beside its decode steps: a
+        # node whose mirror outgrew its budget, say, shows steps falling back to the layers).
+        self.native_decode_steps = 0
         log.info("KV pool: %d pages x %d tokens (%.1f MiB), %d request rows of %d%s", num_pages, page_size,
                  self.kv_pool.nbytes() / 2**20, cache_cfg.max_running_requests, row_len,
                  "" if self.state_pool is None else f", state {self.state_pool.nbytes() / 2**20:.1f} MiB")
@@ -201,7 +201,6 @@ class ModelRunner:
     def decode(self, items: Sequence[DecodeItem]) -> torch.Tensor:
         """One token per request; returns next-token logits. [B, vocab] float32."""
         prefix = [d.prefix_len for d in items]
-        self.decode_steps += 1
         if self.graphs is not None and self.graphs.fits(len(items)):
             return self.graphs.run([d.input_id for d in items], prefix, [d.row for d in items])
         batch = self._batch(ForwardMode.DECODE, [d.input_id for d in items], prefix, [d.row for d in items], prefix, [1] * len(items))

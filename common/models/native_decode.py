@@ -11,7 +11,7 @@ When. Built once by the runner (``NativeDecode.build``) where it can run every s
 
 - the CPU, float32, one TP rank, a model whose every layer is the Llama family's ``DecoderLayer``
   (Llama, Qwen2, Qwen3; not LFM2's conv layers);
-- every projection in our blocked layout (``--cpu-linear auto`` on a real model's shape, or
+- every projection in our blocked layout (``--cpu-linear auto`` where our kernel builds, or
   ``native``), so the step's weights are what ``linear.h`` reads;
 - the torch backend with the decode mirror and its attention kernel, head_dim a multiple of 16.
 

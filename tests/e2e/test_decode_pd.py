@@ -178,9 +178,10 @@ def test_ops_endpoints_on_the_decode_node(pd_cluster: Cluster) -> None:
     # Every decode step ran as one call of the whole-step kernel where the kernels build (--cpu-linear
     # auto packs every projection for ours, the llama cluster's native too); none where they do not.
     counts = {name: float(value) for name, value in re.findall(
-        r"^pdc_decode_(forward|native)_steps_total(?:\{[^}]*\})? (\S+)$", text, flags=re.M)}
-    assert counts["forward"] > 0, text
-    assert counts["native"] == (counts["forward"] if kernels.decode_step() is not None else 0), counts
+        r"^pdc_(scheduler_decode|decode_native)_steps_total(?:\{[^}]*\})? (\S+)$", text, flags=re.M)}
+    steps = counts["scheduler_decode"]
+    assert steps > 0, text
+    assert counts["decode_native"] == (steps if kernels.decode_step() is not None else 0), counts
     assert httpx.post(d + "/flush_cache", timeout=10).status_code == 200
     assert httpx.get(d + "/health_generate", timeout=30).status_code == 200  # a local request, computed here
     mem = memory(d)
