@@ -76,10 +76,10 @@ class DecodeSchedConfig:
     recompute_tokens_per_step: int  # resume budget per step (at least one request resumes)
     check_aux_room: bool  # False with the fake backend: it writes no aux row
     stream_interval: int  # a streamed request's tokens go out every this many (first and last at once)
+    # FAULT INJECTION, tests only (PDC_FAULT_DECODE_STEP_DELAY_S; 0: off): sleep this long after each
+    # decode step, so a test can act on a request mid-generation however fast the steps are.
+    fault_step_delay_s: float
     drain_warn_s: float = 30.0  # a room draining this long is logged (and again every as long)
-    # FAULT INJECTION, tests only (PDC_FAULT_DECODE_STEP_DELAY_S): sleep this long after each decode
-    # step, so a test can act on a request mid-generation however fast the steps are.
-    fault_step_delay_s: float = 0.0
 
 
 class DecodeScheduler:

@@ -190,7 +190,7 @@ class Rig:
             self.engine, self.memory, self.hub, self.aux, stop or StopChecker([EOS]), DecodeBudget(bcfg),
             NewTokenRatio(bcfg.ratio_init, bcfg.ratio_min, bcfg.ratio_decay_steps),
             DecodeSchedConfig(max_running_requests=max_running, recompute_tokens_per_step=16, check_aux_room=True,
-                              stream_interval=stream_interval))
+                              stream_interval=stream_interval, fault_step_delay_s=0.0))
         self.stats = DecodeStats(self.sched, aux_slots)
         self.outputs: dict[str, list[ReqOutput]] = {}
         self.inbox: list[WorkItem] = []  # what the API sent since the last step
