@@ -31,7 +31,7 @@ from common.kvcache.radix_cache import RadixCache
 from common.kvcache.req_kv import KVMemory
 from common.kvcache.req_to_token import ReqToTokenPool
 from common.kvcache.state_pool import StatePool
-from common.models.linear import AUTO_MIN_ELEMENTS, pack_linears, resolve_mode, splits_well
+from common.models.linear import AUTO_MIN_ELEMENTS, pack_linears, pack_lm_head, resolve_mode, splits_well
 from common.models.native_decode import NativeDecode
 from common.models.llama import Attention
 from common.parallel import SINGLE_RANK, TPGroup, rank_device
@@ -107,6 +107,8 @@ class ModelRunner:
         self.packed_linears = 0 if self.cpu_linear == "plain" else pack_linears(
             self.model, min_elements=0 if small_too else AUTO_MIN_ELEMENTS,
             dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None, native=native)
+        # The LM head too, for our kernel only (an embedding tied to it is looked up from its layout).
+        self.packed_head = native is not None and pack_lm_head(self.model, native)
         self.splits_well = self.packed_linears > 0 and splits_well(self.model)
         if self.packed_linears:
             log.info("packed %d projections for %s (--cpu-linear %s)", self.packed_linears,

@@ -33,7 +33,7 @@ from common.attention.base import AttentionBackend, AttentionLayerSpec
 from common.engine.forward_batch import ForwardBatch
 from common.models.arch import ModelArchConfig
 from common.models import ops
-from common.models.linear import linear
+from common.models.linear import BlockedWeight, linear
 from common.models.rope import Rope, RotaryEmbedding
 from common.models.sharding import ShardTarget, attention_shard, cols, rows, split_size
 from common.parallel import SINGLE_RANK, TPGroup
@@ -221,18 +221,25 @@ class LlamaFamilyForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden state of each request's last new token, after the final norm. [B, H]"""
-        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None  # [T, H]
+        x, residual = self.embed(batch.input_ids), None  # [T, H]
         rope = self.rotary.prepare(batch.positions, self.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, rope, batch)
         h = x if residual is None else residual + x  # [T, H]
         return self.norm(h[batch.last_token_indices()])  # [B, H]
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> embeddings [T, H] (from our kernel's layout where the tied head was
+        packed for it: common/models/linear.py, ``pack_lm_head``)."""
+        if isinstance(self.embed_tokens, BlockedWeight):
+            return self.embed_tokens.rows(ids)
+        return F.embedding(ids, self.embed_tokens)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> logits [B, vocab] float32."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()  # F.linear, or our kernel over a packed head
 
     def checkpoint_targets(self) -> Targets:
         """Every tensor the checkpoint must provide (HF names) -> the view of our parameter it

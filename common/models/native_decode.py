@@ -32,7 +32,6 @@ import ctypes
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from common import envs, kernels
 from common.attention.decode_mirror import MirrorPlan
@@ -123,7 +122,7 @@ class NativeDecode:
         self.mirror.prepare(plan, pool.k_buffers, pool.v_buffers)
         self._point_at_mirror()
         model = self.model
-        x = F.embedding(batch.input_ids, model.embed_tokens)  # [B, H]
+        x = model.embed(batch.input_ids)  # [B, H]
         cos, sin = model.rotary.cos_sin(batch.positions, torch.float32)  # [B, 1, d] each
         threads = max(1, torch.get_num_threads())
         need = self.kernel.scratch_floats(self.shape, x.shape[0], threads)

@@ -164,3 +164,23 @@ def test_bench_projections_times_every_layout(tiny_model_dir: str, capsys: pytes
     rows = [line.strip("|").split("|") for line in lines[3:]]
     assert [r[0].strip() for r in rows] == ["1", "9"]
     assert all(len(r) == 2 * len(layouts) and all(float(c.split()[0].rstrip("x")) > 0 for c in r[1:]) for r in rows)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied to the embedding / its own lm_head
+def test_the_lm_head_in_our_layout_gives_the_same_embeddings_and_logits(tiny_model_factory, arch: str) -> None:
+    from common.attention.torch_backend import TorchAttentionBackend
+    from common.models import load_model
+    from common.models.linear import pack_lm_head
+
+    kernel = kernels.linear()
+    if kernel is None:
+        pytest.skip("no C++ compiler: our kernel cannot build")
+    model = load_model(tiny_model_factory(arch), torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    tied = model.lm_head is None
+    embed, head = model.embed_tokens.detach().clone(), (model.embed_tokens if tied else model.lm_head).detach().clone()
+    assert pack_lm_head(model, kernel) and not pack_lm_head(model, kernel)  # once
+    assert isinstance(model.embed_tokens, BlockedWeight) == tied and (tied or isinstance(model.lm_head, BlockedWeight))
+    ids = torch.tensor([0, 1, 31, 32, 33, model.arch.vocab_size - 1, 7, 7])  # block edges, the last (padded) block
+    assert torch.equal(model.embed(ids), torch.nn.functional.embedding(ids, embed))  # a lookup: exact
+    hidden = torch.randn(5, model.arch.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), torch.nn.functional.linear(hidden, head), rtol=1e-5, atol=1e-5)
