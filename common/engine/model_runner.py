@@ -108,11 +108,11 @@ class ModelRunner:
             self.model, min_elements=0 if small_too else AUTO_MIN_ELEMENTS,
             dtype=torch.bfloat16 if self.cpu_linear == "bf16" else None, native=native)
         # The LM head too, for our kernel only (an embedding tied to it is looked up from its layout).
-        self.packed_head = native is not None and pack_lm_head(self.model, native)
+        head = native is not None and pack_lm_head(self.model, native)
         self.splits_well = self.packed_linears > 0 and splits_well(self.model)
         if self.packed_linears:
-            log.info("packed %d projections for %s (--cpu-linear %s)", self.packed_linears,
-                     "oneDNN" if native is None else "our kernel", self.cpu_linear)
+            log.info("packed %d projections%s for %s (--cpu-linear %s)", self.packed_linears,
+                     " and the LM head" if head else "", "oneDNN" if native is None else "our kernel", self.cpu_linear)
         self.arch = self.model.arch
         page_size = cache_cfg.page_size
         ctx = model_cfg.context_length or self.arch.max_position_embeddings
