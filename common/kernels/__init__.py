@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from common import envs
+from common import envs, hugepages
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,10 @@ class Linear:
         blocks = -(-n // cls.BLOCK)
         padded = weight.new_zeros(blocks * cls.BLOCK, k)
         padded[:n] = weight
-        return padded.view(blocks, cls.BLOCK, k).transpose(1, 2).contiguous()
+        # Streamed whole every decode step: in 2-MiB pages (common/hugepages.py says why).
+        packed = hugepages.zeros((blocks, k, cls.BLOCK), weight.dtype)
+        packed.copy_(padded.view(blocks, cls.BLOCK, k).transpose(1, 2))
+        return packed
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None) -> torch.Tensor:

@@ -18,16 +18,30 @@
 namespace pdc::linear {
 
 constexpr int NB = 2 * VW;  // output columns per block
-constexpr int MR = 8;       // rows per register tile: 8 x 2 accumulators + 2 weight vectors
+// Rows per register tile: 12 x 2 accumulators + 2 weight vectors + a broadcast, 27 of AVX-512's 32
+// registers. One tile reads a weight block from memory; each further tile of the same rows pass
+// re-reads it from L2 and is bound by its FMAs, so the fewer tiles the better. 30 layers of
+// SmolLM2's projections, one thread, Zen 5: 32 rows 31.4 ms in tiles of 8 (216 GFLOP/s), 28.1 in
+// tiles of 12 (242); 14-row tiles were within noise at 16-24 rows and slower at 32 (12 + 12 + 8
+// against 14 + 14 + 4). A row's sums run over k in order in every tile size, so its result does not
+// depend on which tile, or which batch, it falls in. Without AVX-512 a vector is two of AVX2's 16
+// registers and the tile spills either way; there it stays at 8, as it was (not measured since).
+#ifdef __AVX512F__
+constexpr int MR = 12;
+#else
+constexpr int MR = 8;
+#endif
 #ifndef MC_ROWS
 #define MC_ROWS 128
 #endif
 constexpr int MC = MC_ROWS;  // rows per pass over the weights: their inputs stay in L2
-// Software prefetch this many k ahead (16 KiB of the block). At 8 rows a k step takes ~20 cycles,
+// Software prefetch this many k ahead (8 KiB of the block). At 8 rows a k step takes ~20 cycles,
 // so the hardware's own prefetch, and ours at 8 ahead, arrived late: 30 layers of SmolLM2's
 // projections at 8 rows took 16.1 ms at 8 ahead, 14.5-14.6 at 16-32, 12.9 at 64, 11.8 at 128 and
-// 12.8 at 256 (one thread, AMD EPYC Zen 5; oneDNN's packed kernel: 18.1-18.6 ms).
-constexpr int PREFETCH_K = 128;
+// 12.8 at 256 (one thread, AMD EPYC Zen 5; oneDNN's packed kernel: 18.1-18.6 ms). That was with
+// the weights in 4-KiB pages. In 2-MiB pages (common/hugepages.py, where the packed weights live)
+// 64 ahead is best: 8 rows 11.0 ms (38.6 GB/s) against 11.6 at 128; one row 10.5 either way.
+constexpr int PREFETCH_K = 64;
 
 // Rows [0, R) of x times one weight block, into columns [0, cols) of y (cols < NB: the last block).
 template <int R>
@@ -67,6 +81,10 @@ inline void rows(const float* x, int64_t ldx, int64_t m, const float* wb, int64_
     const float* xr = x + r * ldx;
     float* yr = y + r * ldy;
     switch (m - r) {
+        case 11: tile<11>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 10: tile<10>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 9: tile<9>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
+        case 8: tile<8>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
         case 7: tile<7>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
         case 6: tile<6>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
         case 5: tile<5>(xr, ldx, wb, K, bias, yr, ldy, cols); break;

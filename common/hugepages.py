@@ -1,0 +1,47 @@
+"""CPU tensors in 2-MiB pages, for the large buffers a decode step streams every step (the packed
+weights, the decode mirror's lanes).
+
+Why: a decode step of SmolLM2's shape reads 425 MB of packed weights; in 4-KiB pages that is
+~100k TLB entries a step, and the page walks cost bandwidth. Our projection kernel read 30 layers'
+weights at 8 rows at 33-36 GB/s from 4-KiB pages and at 37-40 GB/s from 2-MiB pages on the same
+Zen 5 machine (38-39 GB/s is its read bandwidth; docs/BENCHMARKS.md "Weights in 2-MiB pages").
+
+How: an anonymous private mapping, its start rounded up to 2 MiB, advised MADV_HUGEPAGE (which
+works where transparent huge pages are ``always`` or ``madvise``, the common default). torch's
+own allocator does this only when THP_MEM_ALLOC_ENABLE is set before its first allocation, which
+a library cannot arrange. Where the advice is refused the buffer is still a correct tensor in
+small pages. The tensor holds the mapping; it is unmapped when the last view goes.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero-filled, contiguous CPU tensor; from 2 MiB up its data starts on a 2-MiB boundary,
+    advised into huge pages. The zeros come from the kernel, page by page as they are first touched
+    (fresh anonymous memory is zero), so a large buffer costs nothing until it is written: the decode
+    mirror's growth zeroed 566 MB eagerly, a 0.1-s stall of every stream, to write a few rows."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(area)
+    start = (-ctypes.addressof(view)) % HUGE_PAGE
+    del view  # an exported buffer would pin the mapping past the tensor's life
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            area.madvise(advice, start, nbytes)
+        except OSError:
+            pass  # no THP in this kernel: small pages, same tensor
+    flat = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
+    return flat.view(dtype).view(tuple(shape))

@@ -1,0 +1,44 @@
+"""common/hugepages.py: large CPU buffers on a 2-MiB boundary, advised into huge pages."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from common import hugepages, kernels
+from common.models.linear import BlockedWeight
+
+
+def test_a_large_buffer_starts_on_a_huge_page_and_is_an_ordinary_tensor() -> None:
+    t = hugepages.zeros((1024, 1024 + 3), torch.float32)
+    assert t.shape == (1024, 1027) and t.dtype == torch.float32 and t.is_contiguous()
+    assert not t.any()  # zero, as the kernel hands out fresh pages
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view_as(t))
+    assert t[1023, 1026].item() == t.numel() - 1
+    half = hugepages.zeros((3, 1 << 20), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+def test_a_view_keeps_the_mapping_alive_after_the_tensor_goes() -> None:
+    t = hugepages.zeros((1 << 20,), torch.float32)
+    t.fill_(7.0)
+    tail = t[-4:]
+    del t
+    gc.collect()
+    assert tail.tolist() == [7.0] * 4
+
+
+def test_a_small_buffer_is_a_plain_tensor() -> None:
+    t = hugepages.zeros((16, 16), torch.float32)
+    assert t.shape == (16, 16) and t.dtype == torch.float32
+
+
+@pytest.mark.skipif(kernels.linear() is None, reason="no C++ compiler for the native kernel")
+def test_packed_weights_live_in_huge_pages() -> None:
+    w = torch.randn(1024, 576)
+    blocked = BlockedWeight(w, kernels.linear())
+    assert blocked.blocks.data_ptr() % hugepages.HUGE_PAGE == 0
+    x = torch.randn(3, 576)
+    torch.testing.assert_close(blocked(x, None), x @ w.T, rtol=1e-4, atol=1e-4)
