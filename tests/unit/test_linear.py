@@ -112,7 +112,7 @@ def test_native_linear_equals_f_linear_for_any_row_count(out_features: int, in_f
     assert kernel is not None
     blocked = BlockedWeight(w, kernel)
     assert blocked.shape == w.shape and blocked.blocks.shape == (-(-out_features // 32), in_features, 32)
-    for rows in (1, 3, 7, 8, 9, 10, 11, 12, 13, 16, 24, 25, 33, 127, 128, 129, 300):
+    for rows in (1, 3, 7, 8, 9, 10, 11, 12, 13, 14, 16, 24, 25, 26, 33, 127, 128, 129, 300):
         x = torch.randn(rows, in_features)
         torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x, blocked), x @ w.T, rtol=1e-5, atol=1e-5)
@@ -123,7 +123,7 @@ def test_native_linear_equals_f_linear_for_any_row_count(out_features: int, in_f
     x = torch.randn(2, 3, in_features)
     torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert linear(torch.randn(0, in_features), blocked, b).shape == (0, out_features)
-    batch = torch.randn(37, in_features)  # tiles of 12, 12, 12, 1 (or 8 x 4, 5)
+    batch = torch.randn(37, in_features)  # tiles of 12, 12, 13 (or 8, 8, 8, 8, 5)
     together = linear(batch, blocked, b)
     for i in (0, 11, 12, 30, 36):
         assert torch.equal(linear(batch[i:i + 1], blocked, b), together[i:i + 1])
