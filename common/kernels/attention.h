@@ -110,7 +110,14 @@ inline void value_block(const float* p, int64_t ldp, const float* v, int64_t ldv
 template <int GB>
 void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, const float* v, int64_t ldv, int len,
                  float* scores, int64_t lds, float* out) {
-    constexpr int SB = GB <= 2 ? 6 : 4;  // accumulators GB * SB <= 16 registers, with the keys beside
+    // GB * SB accumulators and SB keys in registers: 6 key vectors up to 2 rows, and for 3 rows with
+    // AVX-512 (25 of its 32 registers; SmolLM2's 9/3 heads, 30 layers, 8-32 lanes x 185-400 keys:
+    // 3-7 % faster than 4), 4 beyond.
+#ifdef __AVX512F__
+    constexpr int SB = GB <= 3 ? 6 : 4;
+#else
+    constexpr int SB = GB <= 2 ? 6 : 4;
+#endif
     int s = 0;
     for (; s + SB * VW <= len; s += SB * VW) score_block<GB, SB>(q, dim, kt, ldk, s, scores, lds);
     for (; s < len; s += VW) score_block<GB, 1>(q, dim, kt, ldk, s, scores, lds);
