@@ -63,6 +63,7 @@ class _Group:
     keep: torch.Tensor | None  # [n] int64 real rows among the G * E; None: all are real
     out_index: torch.Tensor | None  # [n] int64 packed-token index of each kept row; None: the whole batch in order
     blocked_prefix: int | None = None  # not None: causal after this many cached keys, in blocks (ATTN_BLOCK)
+    causal_prefix: int | None = None  # not None: every row causal after this many cached keys (one request, or a square)
 
 
 def plan_groups(ext: Sequence[int], seq: Sequence[int]) -> list[list[int]]:
@@ -109,7 +110,8 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
     square = e > 1 and max(pre_l) == 0
     # In query blocks (CPU): a causal square (any number of requests: a real row never reaches a
     # padded key), or one request past its cached prefix; not several with different prefixes.
-    blocked = e > ATTN_BLOCK and dev.type == "cpu" and (square or len(members) == 1)
+    causal = e > 1 and (square or len(members) == 1)
+    blocked = e > ATTN_BLOCK and dev.type == "cpu" and causal
     rows = batch.req_pool_indices if whole else batch.req_pool_indices[torch.tensor(members, device=dev)]  # [G]
     slots = batch.req_to_token.index_select(0, rows)[:, :s].long()  # [G, S]
     slots = slots.masked_fill_(~valid.to(dev), 0)  # padding reads the reserved page
@@ -121,6 +123,7 @@ def _plan_group(members: list[int], batch: ForwardBatch, starts: list[int], whol
         keep=None if keep is None else keep.to(dev),
         out_index=None if whole else (q_rows if keep is None else q_rows[keep]).to(dev),
         blocked_prefix=pre_l[0] if blocked else None,
+        causal_prefix=pre_l[0] if causal else None,
     )
 
 
@@ -131,6 +134,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
         # None: not on CPU, no mirror, or the kernel did not build (torch ops then).
         self.native_decode = kernels.decode_attention() if self.mirror is not None and cpu else None
+        # Causal prefill and extend on CPU in float32 (SDPA where it did not build, or elsewhere).
+        self.native_prefill = kernels.prefill_attention() if cpu else None
 
     def reset(self) -> None:
         if self.mirror is not None:
@@ -193,14 +198,20 @@ class TorchAttentionBackend(AttentionBackend):
             out = out.index_select(0, plan.from_lane)  # back to batch order
         return out.reshape(-1, hq * d)
 
-    @staticmethod
-    def _group(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: AttentionLayerSpec, g: _Group) -> torch.Tensor:
+    def _group(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: AttentionLayerSpec,
+               g: _Group) -> torch.Tensor:
         """Attention of one group's real query rows. [n, heads, head_dim]"""
         n, e, s = g.num_reqs, g.max_ext, g.max_seq
         hq, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        keys = k_buf.index_select(0, g.slots).view(n, s, hk, d).transpose(1, 2).to(q.dtype)  # [G, kv_heads, S, head_dim]
-        vals = v_buf.index_select(0, g.slots).view(n, s, hk, d).transpose(1, 2).to(q.dtype)
+        keys = k_buf.index_select(0, g.slots).view(n, s, hk, d).to(q.dtype)  # [G, S, kv_heads, head_dim]
+        vals = v_buf.index_select(0, g.slots).view(n, s, hk, d).to(q.dtype)
         qg = q if g.q_index is None else q.index_select(0, g.q_index)  # [G * E, heads, head_dim]
+        if (g.causal_prefix is not None and self.native_prefill is not None
+                and self.native_prefill.supports(qg, keys)):
+            out = self.native_prefill(qg.view(n, e, hq, d), keys, vals, g.causal_prefix, layer.scaling)
+            out = out.view(n * e, hq, d)
+            return out if g.keep is None else out.index_select(0, g.keep)
+        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [G, kv_heads, S, head_dim]
         qg = qg.view(n, e, hq, d).transpose(1, 2)  # [G, heads, E, head_dim]
         if g.blocked_prefix is not None and qg.dtype == torch.float32:
             out = _blocked_attention(qg, keys, vals, layer, g.blocked_prefix)

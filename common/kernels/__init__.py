@@ -9,11 +9,12 @@ source, the compiler, the flags and the CPU's instruction flags, under ``PDC_KER
 temporary file and rename it into place, so neither loads a half-written library.
 
 The kernels: ``decode_attention.cpp`` (one query per lane over the decode mirror; the torch
-attention backend) and ``linear.cpp`` (the projections over weights blocked by output columns;
+attention backend), ``prefill_attention.cpp`` (causal attention of a prompt's new tokens; the
+torch attention backend's prefill and extend) and ``linear.cpp`` (the projections over weights blocked by output columns;
 ``--cpu-linear native``, common/models/linear.py).
 
 Nothing here is required: without a C++ compiler, with ``PDC_NATIVE_KERNELS=0``, or when a build
-fails, ``decode_attention()`` / ``linear()`` / ``decode_step()`` return None once with a warning and the caller keeps
+fails, ``decode_attention()`` / ``prefill_attention()`` / ``linear()`` / ``decode_step()`` return None once with a warning and the caller keeps
 its torch-op or oneDNN path (same results up to rounding, slower; docs/BENCHMARKS.md says by how
 much).
 
@@ -161,6 +162,43 @@ def decode_attention() -> DecodeAttention | None:
     """The decode-attention kernel for this process, or None (torch ops then)."""
     lib = _load("decode_attention", "torch ops")
     return None if lib is None else DecodeAttention(lib)
+
+
+class PrefillAttention:
+    """``pdc_prefill_attention`` of prefill_attention.cpp: causal attention of G requests' E new
+    tokens each after the same cached prefix."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.pdc_prefill_attention
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+
+    @staticmethod
+    def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
+        """float32 queries and keys on the CPU, head_dim in whole vectors."""
+        return (q.device.type == keys.device.type == "cpu" and q.dtype == keys.dtype == torch.float32
+                and q.shape[-1] % VECTOR_FLOATS == 0)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, prefix: int,
+                 scale: float) -> torch.Tensor:
+        """q: [G, E, heads, head_dim]; keys, vals: [G, prefix + E, kv_heads, head_dim]. Token t of each
+        request sits at position prefix + t and sees keys 0 .. prefix + t. Returns [G, E, heads, head_dim]."""
+        q, keys, vals = q.contiguous(), keys.contiguous(), vals.contiguous()
+        g, e, heads, dim = q.shape
+        kv_heads = keys.shape[2]
+        assert keys.shape == vals.shape == (g, prefix + e, kv_heads, dim) and heads % kv_heads == 0
+        out = torch.empty_like(q)
+        self._fn(q.data_ptr(), keys.data_ptr(), vals.data_ptr(), out.data_ptr(), g, e, prefix, heads, kv_heads, dim,
+                 scale, max(1, torch.get_num_threads()))
+        return out
+
+
+def prefill_attention() -> PrefillAttention | None:
+    """The prefill-attention kernel for this process, or None (SDPA then)."""
+    lib = _load("prefill_attention", "SDPA")
+    return None if lib is None else PrefillAttention(lib)
 
 
 class Linear:

@@ -159,10 +159,12 @@ def test_turned_off_by_env_builds_nothing(fresh_loader: None, tmp_path, monkeypa
 
 
 @needs_compiler
-def test_backend_without_a_mirror_or_off_the_cpu_builds_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert TorchAttentionBackend().native_decode is None and kernels._loaded == {}
-    assert TorchAttentionBackend(decode_mirror_bytes=1 << 20, cpu=False).native_decode is None  # a GPU model
-    assert kernels._loaded == {}
+def test_backend_builds_only_the_kernels_it_runs(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = TorchAttentionBackend(decode_mirror_bytes=1 << 20, cpu=False)  # a GPU model: neither
+    assert gpu.native_decode is None and gpu.native_prefill is None and kernels._loaded == {}
+    no_mirror = TorchAttentionBackend()  # prefill's kernel only
+    assert no_mirror.native_decode is None and no_mirror.native_prefill is not None
+    assert set(kernels._loaded) == {"prefill_attention"}
     assert TorchAttentionBackend(decode_mirror_bytes=1 << 20).native_decode is not None
 
 

@@ -3,9 +3,12 @@
 scattered pages, and batches that split into several padded groups."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from common import kernels
 from common.attention import torch_backend
 from common.attention.base import AttentionLayerSpec
 from common.attention.torch_backend import TorchAttentionBackend, plan_groups
@@ -137,3 +140,27 @@ def test_blocked_causal_attention_equals_the_reference_and_the_sdpa_it_replaces(
     whole = run(batch, q, k, v)
     assert batch.attn_metadata[0].blocked_prefix is None
     torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler to build the kernel with")
+@pytest.mark.parametrize(("prefix", "ext", "native"), [
+    ([13], [70], True),  # one request past its prefix
+    ([0, 0, 0], [9, 2, 5], True),  # a padded causal square: padded rows dropped, real rows never read padding
+    ([0], [4], True),
+    ([100], [130], True),
+    ([6, 3], [10, 8], False),  # several requests with prefixes: the masked SDPA
+    ([3, 17], [1, 1], False),  # decode without a mirror: one query each, SDPA
+])
+def test_causal_groups_run_the_prefill_kernel_and_equal_the_reference(
+        monkeypatch: pytest.MonkeyPatch, prefix: list[int], ext: list[int], native: bool) -> None:
+    """With head_dim in whole vectors (16), a causal group (one request, or a square) runs the C++
+    prefill kernel; it and the SDPA paths give the per-request softmax."""
+    monkeypatch.setattr(sys.modules[__name__], "D", 16)
+    monkeypatch.setattr(torch_backend, "PAD_FLOOR", 1 << 30)  # several requests: one group
+    calls: list[int] = []
+    real = kernels.PrefillAttention.__call__
+    monkeypatch.setattr(kernels.PrefillAttention, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    batch, q, k, v = make(prefix, ext, seed=7)
+    got = run(batch, q, k, v)
+    assert bool(calls) == native
+    torch.testing.assert_close(got, reference(batch, q), rtol=1e-5, atol=1e-5)
