@@ -123,8 +123,7 @@ inline float online_row(float* s, int valid, float& m, float& l) {
         vf x = load(s + j * VW);
         top = x > top ? x : top;
     }
-    float bmax = top[0];
-    for (int j = 1; j < VW; j++) bmax = top[j] > bmax ? top[j] : bmax;
+    const float bmax = hmax_tree(top);
     const float m_new = bmax > m ? bmax : m;
     const float alpha = m == ninf ? 0.0f : exp_nonpos(m - m_new);
     vf sum{};
@@ -134,7 +133,7 @@ inline float online_row(float* s, int valid, float& m, float& l) {
         store(s + j * VW, e);
         sum += e;
     }
-    l = l * alpha + hsum(sum);
+    l = l * alpha + hsum_tree(sum);
     m = m_new;
     return alpha;
 }

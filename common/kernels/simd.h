@@ -21,6 +21,31 @@ inline float hsum(vf x) {
     return s;
 }
 
+// Horizontal max and sum in four halving steps of whole-vector shuffles (the sum's order is a tree,
+// not hsum's left to right): a lane at a time cost ~30 scalar instructions per row and key block in
+// the prefill kernel's softmax, a third of its scores' FMAs.
+inline vf swap_halves(vf x, int width) {
+    switch (width) {
+        case 8: return __builtin_shuffle(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+        case 4: return __builtin_shuffle(x, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+        case 2: return __builtin_shuffle(x, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+        default: return __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    }
+}
+
+inline float hmax_tree(vf x) {
+    for (int w = 8; w >= 1; w /= 2) {
+        vf y = swap_halves(x, w);
+        x = x > y ? x : y;
+    }
+    return x[0];
+}
+
+inline float hsum_tree(vf x) {
+    for (int w = 8; w >= 1; w /= 2) x += swap_halves(x, w);
+    return x[0];
+}
+
 // e^x for x <= 0 (0 below -87, where float32's e^x is subnormal): Cephes' expf, within 2 ulp of
 // expf over x <= 0.
 inline vf exp_nonpos(vf x) {
