@@ -10,13 +10,14 @@ temporary file and rename it into place, so neither loads a half-written library
 
 The kernels: ``decode_attention.cpp`` (one query per lane over the decode mirror; the torch
 attention backend), ``prefill_attention.cpp`` (causal attention of a prompt's new tokens; the
-torch attention backend's prefill and extend) and ``linear.cpp`` (the projections over weights blocked by output columns;
-``--cpu-linear native``, common/models/linear.py).
+torch attention backend's prefill and extend), ``linear.cpp`` (the projections over weights
+blocked by output columns; ``--cpu-linear native``, common/models/linear.py) and
+``decode_step.cpp`` (a whole Llama-family decode step; common/models/native_decode.py).
 
 Nothing here is required: without a C++ compiler, with ``PDC_NATIVE_KERNELS=0``, or when a build
-fails, ``decode_attention()`` / ``prefill_attention()`` / ``linear()`` / ``decode_step()`` return None once with a warning and the caller keeps
-its torch-op or oneDNN path (same results up to rounding, slower; docs/BENCHMARKS.md says by how
-much).
+fails, ``decode_attention()`` / ``prefill_attention()`` / ``linear()`` / ``decode_step()`` return
+None once with a warning and the caller keeps its torch-op, SDPA or oneDNN path (same results up
+to rounding, slower; docs/BENCHMARKS.md says by how much).
 
 OpenMP: the library links ``libgomp.so.1``, which the torch CPU build has already loaded under
 that name, so the kernel's parallel loops run on torch's OpenMP runtime with the thread count
