@@ -1,5 +1,6 @@
 // One-query attention over the decode mirror's lanes, float32: the CPU torch backend's decode
-// step (decode_attention.cpp exports it; decode_step.cpp runs it inside a whole decode step).
+// step (decode_attention.cpp exports it; decode_step.cpp runs it inside a whole decode step;
+// prefill_attention.cpp runs its score and value blocks over a prompt's key blocks).
 //
 // Why a kernel of our own: per lane and KV head a decode step multiplies the GQA group's few
 // query rows (1-8) with S keys, takes a softmax, and multiplies the result with S values. MKL's
@@ -87,11 +88,12 @@ inline void softmax_row(float* row, int len) {
 }
 
 // out[g] = sum_s p[g][s] v[s] for GB rows and head_dim columns [d0, d0 + DB * VW).
-template <int GB, int DB>
+// ACC: add to what out holds (the prefill kernel's running output) instead of overwriting it.
+template <int GB, int DB, bool ACC = false>
 inline void value_block(const float* p, int64_t ldp, const float* v, int64_t ldv, int len, int d0, float* out, int dim) {
     vf acc[GB][DB];
     for (int g = 0; g < GB; g++)
-        for (int j = 0; j < DB; j++) acc[g][j] = vf{};
+        for (int j = 0; j < DB; j++) acc[g][j] = ACC ? load(out + g * dim + d0 + j * VW) : vf{};
     for (int s = 0; s < len; s++) {
         const float* vs = v + s * ldv + d0;
         for (int j = 0; j < DB; j++) __builtin_prefetch(vs + PREFETCH_ROWS * ldv + j * VW);
@@ -104,6 +106,14 @@ inline void value_block(const float* p, int64_t ldp, const float* v, int64_t ldv
     }
     for (int g = 0; g < GB; g++)
         for (int j = 0; j < DB; j++) store(out + g * dim + d0 + j * VW, acc[g][j]);
+}
+
+// Every head_dim column of out[g] = sum_s p[g][s] v[s] (+ out[g] with ACC), four vectors at a time.
+template <int GB, bool ACC = false>
+inline void values(const float* p, int64_t ldp, const float* v, int64_t ldv, int len, float* out, int dim) {
+    int d = 0;
+    for (; d + 4 * VW <= dim; d += 4 * VW) value_block<GB, 4, ACC>(p, ldp, v, ldv, len, d, out, dim);
+    for (; d < dim; d += VW) value_block<GB, 1, ACC>(p, ldp, v, ldv, len, d, out, dim);
 }
 
 // GB (1-4) query rows of one KV head: scores, softmax, values. q is pre-scaled.
@@ -122,9 +132,7 @@ void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, const fl
     for (; s + SB * VW <= len; s += SB * VW) score_block<GB, SB>(q, dim, kt, ldk, s, scores, lds);
     for (; s < len; s += VW) score_block<GB, 1>(q, dim, kt, ldk, s, scores, lds);
     for (int g = 0; g < GB; g++) softmax_row(scores + g * lds, len);
-    int d = 0;
-    for (; d + 4 * VW <= dim; d += 4 * VW) value_block<GB, 4>(scores, lds, v, ldv, len, d, out, dim);
-    for (; d < dim; d += VW) value_block<GB, 1>(scores, lds, v, ldv, len, d, out, dim);
+    values<GB>(scores, lds, v, ldv, len, out, dim);
 }
 
 // Every (row, KV head) of a batch, split over `num_threads` OpenMP threads. Row b reads lane

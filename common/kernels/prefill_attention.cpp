@@ -5,7 +5,8 @@
 // ~70 GFLOP/s (126 of its ~650 ms, 64-query blocks) and is slower still on long causal squares;
 // the projections around it run at ~250. Here the query heads of one KV head are the rows of one
 // product, so each key and value block is loaded once for the whole GQA group, and the keys are
-// transposed once per call so that scores are register tiles of whole key vectors.
+// transposed once per call so that scores are register tiles of whole key vectors. The tiles are
+// attention.h's score and value blocks, the decode kernel's own.
 //
 // Algorithm (flash attention, one pass): per item (request, KV head, block of QB query tokens),
 // rows = the block's tokens x the group's query heads; over key blocks of KB up to the block's
@@ -26,9 +27,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
-#include "simd.h"
+#include "attention.h"
 
 namespace pdc::prefill {
 
@@ -36,81 +38,20 @@ constexpr int QB = 32;  // query tokens per item
 constexpr int KB = 64;  // keys per block: 4 vectors of scores per row
 constexpr int RT = 6;   // rows per register tile: 6 x 4 sums + 4 loaded vectors + a broadcast
 
-// s[r][0, KB) = qs[r] . kt[:, 0, KB) for rows [0, R): kt is head_dim rows of ldk floats.
-template <int R>
-inline void scores_tile(const float* qs, int dim, const float* kt, int64_t ldk, float* s) {
-    vf acc[R][4];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = vf{};
-    for (int d = 0; d < dim; d++) {
-        const float* kd = kt + d * ldk;
-        vf k0 = load(kd), k1 = load(kd + VW), k2 = load(kd + 2 * VW), k3 = load(kd + 3 * VW);
-        for (int r = 0; r < R; r++) {
-            vf qv = splat(qs[r * dim + d]);
-            acc[r][0] += qv * k0, acc[r][1] += qv * k1, acc[r][2] += qv * k2, acc[r][3] += qv * k3;
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) store(s + r * KB + j * VW, acc[r][j]);
-}
-
-// o[r][d0, d0 + DV * VW) += sum over keys c < kb of p[r][c] * v[c][d0, ...) for rows [0, R).
-template <int R, int DV>
-inline void values_tile(const float* p, const float* v, int64_t ldv, int kb, float* o, int dim, int d0) {
-    vf acc[R][DV];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < DV; j++) acc[r][j] = load(o + r * dim + d0 + j * VW);
-    for (int c = 0; c < kb; c++) {
-        const float* vc = v + c * ldv + d0;
-        vf val[DV];
-        for (int j = 0; j < DV; j++) val[j] = load(vc + j * VW);
-        for (int r = 0; r < R; r++) {
-            vf pr = splat(p[r * KB + c]);
-            for (int j = 0; j < DV; j++) acc[r][j] += pr * val[j];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < DV; j++) store(o + r * dim + d0 + j * VW, acc[r][j]);
-}
-
-template <int R>
-inline void values_rows(const float* p, const float* v, int64_t ldv, int kb, float* o, int dim) {
-    int d = 0;
-    for (; d + 4 * VW <= dim; d += 4 * VW) values_tile<R, 4>(p, v, ldv, kb, o, dim, d);
-    for (; d < dim; d += VW) values_tile<R, 1>(p, v, ldv, kb, o, dim, d);
-}
-
-// Rows [0, rows) in tiles of RT and one shorter tile.
-template <template <int> class Op, typename... A>
-inline void by_tiles(int rows, int dim, float* s_or_o, int64_t row_floats, const float* rows_in, int64_t in_floats,
-                     A... args) {
+// op(std::integral_constant<int, R>{}, r0) for rows [r0, r0 + R) in tiles of RT and one shorter.
+template <typename Op>
+inline void by_tiles(int rows, Op op) {
     for (int r = 0; r < rows; r += RT) {
-        const int n = std::min(RT, rows - r);
-        float* so = s_or_o + r * row_floats;
-        const float* in = rows_in + r * in_floats;
-        switch (n) {
-            case 6: Op<6>::run(in, dim, so, args...); break;
-            case 5: Op<5>::run(in, dim, so, args...); break;
-            case 4: Op<4>::run(in, dim, so, args...); break;
-            case 3: Op<3>::run(in, dim, so, args...); break;
-            case 2: Op<2>::run(in, dim, so, args...); break;
-            default: Op<1>::run(in, dim, so, args...); break;
+        switch (std::min(RT, rows - r)) {
+            case 6: op(std::integral_constant<int, 6>{}, r); break;
+            case 5: op(std::integral_constant<int, 5>{}, r); break;
+            case 4: op(std::integral_constant<int, 4>{}, r); break;
+            case 3: op(std::integral_constant<int, 3>{}, r); break;
+            case 2: op(std::integral_constant<int, 2>{}, r); break;
+            default: op(std::integral_constant<int, 1>{}, r); break;
         }
     }
 }
-
-template <int R>
-struct Scores {
-    static void run(const float* qs, int dim, float* s, const float* kt, int64_t ldk) {
-        scores_tile<R>(qs, dim, kt, ldk, s);
-    }
-};
-
-template <int R>
-struct Values {
-    static void run(const float* p, int dim, float* o, const float* v, int64_t ldv, int kb) {
-        values_rows<R>(p, v, ldv, kb, o, dim);
-    }
-};
 
 // Softmax step of one row over its `valid` scores of this block (the rest of the KB set to zero):
 // p in place of the scores, the running max m and sum l updated; returns the factor by which the
@@ -181,7 +122,11 @@ void run(const float* q, const float* k, const float* v, float* out, int64_t G, 
             const int64_t first_pos = prefix + t0, kend = prefix + t0 + nt;  // keys [0, kend)
             for (int64_t kb0 = 0; kb0 < kend; kb0 += KB) {
                 const int kb = static_cast<int>(std::min<int64_t>(KB, kend - kb0));
-                by_tiles<Scores>(rows, d, s.data(), KB, qs.data(), dim, kt + kb0, s_pad);
+                // Scores of a tile of rows against this block's KB keys: attention.h's score block.
+                by_tiles(rows, [&](auto R, int r0) {
+                    attention::score_block<decltype(R)::value, KB / VW>(qs.data() + r0 * dim, d, kt + kb0, s_pad, 0,
+                                                                       s.data() + r0 * KB, KB);
+                });
                 for (int r = 0; r < rows; r++) {
                     const int64_t pos = first_pos + r / group;  // this row's token's position
                     const int valid = static_cast<int>(std::min<int64_t>(kb, pos - kb0 + 1));
@@ -197,7 +142,11 @@ void run(const float* q, const float* k, const float* v, float* out, int64_t G, 
                         for (int x = 0; x < d; x += VW) store(orow + x, load(orow + x) * av);
                     }
                 }
-                by_tiles<Values>(rows, d, o.data(), dim, s.data(), KB, vh + kb0 * kv_tok, kv_tok, kb);
+                // The block's values added to the rows' running outputs.
+                by_tiles(rows, [&](auto R, int r0) {
+                    attention::values<decltype(R)::value, true>(s.data() + r0 * KB, KB, vh + kb0 * kv_tok, kv_tok, kb,
+                                                                o.data() + r0 * dim, d);
+                });
             }
             for (int64_t t = 0; t < nt; t++)
                 for (int64_t j = 0; j < group; j++) {
