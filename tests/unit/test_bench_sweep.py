@@ -45,21 +45,61 @@ def test_sweep_runs_each_rate_and_plots_goodput(tmp_path: Path) -> None:
     assert check_args(a) is None
     seen = []
 
+    a.num_prompts = 10
+
     def run_once() -> tuple[int, dict]:
-        seen.append((a.request_rate, a.warmup_requests, a.seed, a.json_path))
+        seen.append((a.request_rate, a.warmup_requests, a.seed, a.prompt_salt, a.json_path))
         good = min(a.request_rate, 2.0)  # a stand-in engine that saturates at 2 req/s
         return 0, {"summary": {"request_throughput": a.request_rate, "completed": 10,
                                "goodput": {"request_goodput": good, "good_requests": int(5 * good)}}}
 
     rc, doc = sweep(a, run_once)
     assert rc == 0
-    assert [s[:3] for s in seen] == [(1.0, 1, 1), (2.0, 0, 2), (4.0, 0, 3)]
+    # One seed (the same shapes at every rate), new prompt contents per rate.
+    assert [s[:4] for s in seen] == [(1.0, 1, 1, 0), (2.0, 0, 1, 1), (4.0, 0, 1, 2)]
     assert [r["request_goodput"] for r in doc["sweep"]] == [1.0, 2.0, 2.0]
+    assert [r["attainment"] for r in doc["sweep"]] == [0.5, 1.0, 1.0]
     for *_, path in seen:
         assert json.loads(Path(path).read_text())["summary"]["completed"] == 10
     png = Path(doc["plots"]["goodput"]["png"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert a.json_path == str(tmp_path / "run.json") and (a.warmup_requests, a.seed) == (1, 1)  # restored
+    assert a.json_path == str(tmp_path / "run.json") and (a.warmup_requests, a.seed, a.prompt_salt) == (1, 1, None)
+    # 50 % at 1 req/s already falls short of the default 90 %: the capacity is below the sweep.
+    assert doc["capacity"] == {"rate": 1.0, "bound": "<"} and doc["slo_attainment"] == 0.9
+
+
+def test_a_salt_keeps_the_shapes_and_arrival_pattern_and_changes_the_prompts() -> None:
+    mix = [(16, 0.9), (64, 0.1)]
+    slow = make_workload(300, 1, 8, 0.5, 100, 1.0, seed=4, mix=mix, prompt_salt=0)
+    fast = make_workload(300, 1, 8, 0.5, 100, 4.0, seed=4, mix=mix, prompt_salt=1)
+    assert [(r.input_len, r.output_len) for r in slow] == [(r.input_len, r.output_len) for r in fast]
+    assert fast[-1].arrival_s > 0
+    assert all(abs(s.arrival_s - 4 * f.arrival_s) < 1e-9 * max(1.0, s.arrival_s) for s, f in zip(slow, fast))
+    same = sum(s.input_ids == f.input_ids for s, f in zip(slow, fast))
+    assert same == 0
+    assert slow == make_workload(300, 1, 8, 0.5, 100, 1.0, seed=4, mix=mix, prompt_salt=0)
+    # Without a salt the workload is the one a seed always gave (tokens from the same generator).
+    assert make_workload(50, 20, 8, 0.5, 100, 2.0, seed=4) == make_workload(50, 20, 8, 0.5, 100, 2.0, seed=4)
+    assert make_workload(50, 20, 8, 0.5, 100, 2.0, seed=4) != make_workload(50, 20, 8, 0.5, 100, 2.0, seed=4,
+                                                                            prompt_salt=0)
+
+
+def test_capacity_is_the_highest_rate_within_the_attainment_interpolated() -> None:
+    from common.tools.bench_run import capacity, format_capacity
+
+    def rows(*pairs: tuple[float, float]) -> list[dict]:
+        return [{"rate": r, "attainment": att} for r, att in pairs]
+
+    # Held at 1 and 2, fell to 70 % at 3: 90 % is crossed a fifth of the way from 2 to 3 (95 -> 70).
+    cap = capacity(rows((3.0, 0.70), (1.0, 1.0), (2.0, 0.95)), 0.9)
+    assert cap == {"rate": 2.2, "bound": "="} and format_capacity(cap) == "2.2 req/s"
+    # A later rate that holds again does not count: the first shortfall ends the walk.
+    assert capacity(rows((1.0, 0.9), (2.0, 0.5), (3.0, 0.95)), 0.9) == {"rate": 1.0, "bound": "="}
+    assert capacity(rows((1.0, 1.0), (2.0, 0.99)), 0.9) == {"rate": 2.0, "bound": ">="}
+    assert capacity(rows((1.0, 0.5), (2.0, 0.2)), 0.9) == {"rate": 1.0, "bound": "<"}
+    assert format_capacity({"rate": 2.0, "bound": ">="}) == ">= 2 req/s"
+    assert capacity([], 0.9) == {"rate": None, "bound": None}
+    assert "--slo-attainment" in check_args(parse_args(["--url", "http://x", "--slo-attainment", "1.5"]))
 
 
 def test_without_a_sweep_the_run_is_returned_unchanged() -> None:
@@ -75,6 +115,24 @@ def test_compare_sweep_table_gives_goodput_ratio_per_rate() -> None:
             "vllm-cpu": {"sweep": [{"rate": 1.0, "request_goodput": 0.9}, {"rate": 2.0, "request_goodput": 0.5}]}}
     lines = sweep_table(runs).splitlines()
     assert lines[1].split()[-1] == "1.00x" and lines[2].split()[-1] == "3.00x"
+    assert len(lines) == 3  # no capacity row without the sweeps' capacities
+
+
+def test_compare_sweep_table_gives_each_capacity_and_their_ratio() -> None:
+    from common.tools.bench_peers import sweep_table
+
+    def run(cap: dict, *atts: float) -> dict:
+        return {"sweep": [{"rate": r, "request_goodput": r * a, "attainment": a} for r, a in zip((1.0, 2.0), atts)],
+                "capacity": cap, "slo_attainment": 0.9}
+
+    lines = sweep_table({"pdcluster": run({"rate": 2.0, "bound": ">="}, 1.0, 0.95),
+                         "vllm-cpu": run({"rate": 1.25, "bound": "="}, 0.95, 0.75)}).splitlines()
+    assert "1.900 (95 %)" in lines[2] and "1.500 (75 %)" in lines[2]
+    assert "capacity at 90 % SLO" in lines[3]
+    assert ">= 2 req/s" in lines[4] and "1.25 req/s" in lines[4] and lines[4].endswith(">= 1.60x")
+    both = sweep_table({"pdcluster": run({"rate": 2.0, "bound": ">="}, 1.0, 1.0),
+                        "vllm-cpu": run({"rate": 2.0, "bound": ">="}, 1.0, 1.0)}).splitlines()
+    assert both[-1].split()[-1] == "?"  # both only bounded from below: nothing to say
 
 
 def test_peer_first_runs_the_peer_before_ours_and_keeps_the_table_order(monkeypatch: pytest.MonkeyPatch) -> None:
