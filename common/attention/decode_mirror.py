@@ -30,6 +30,17 @@ stored [S, head_dim] (the transposed operand) at ~10 GB/s, and [head_dim, S] (th
 ~14 GB/s: SmolLM2-135M's shape, 32 lanes, 384 keys, one thread, AMD EPYC Zen 5
 (docs/BENCHMARKS.md, "Fewer calls per layer, keys stored transposed, one write per batch").
 Values stay [S, head_dim], their fast layout.
+
+**Blocked keys** (``blocked_keys=True``, what the torch backend asks for when our C++ kernel reads
+the mirror): the same transposed keys in blocks of 64 positions, each block's [head_dim, 64]
+contiguous::
+
+    k[layer]: [lanes, kv_heads, S_cap / 64, head_dim, 64]    position p: block p // 64, column p % 64
+
+The kernel's score block then reads one whole block, and a head's keys front to back, instead of
+head_dim short stretches S_cap apart (common/kernels/attention.h says why that matters). Only float32 with
+head_dim a multiple of 16 is blocked (what the kernel takes); the torch ops read plain keys, so a
+blocked mirror hands them a plain copy (``plain_keys``), which only a layer the kernel declined needs.
 """
 from __future__ import annotations
 
@@ -40,6 +51,8 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 
 _S_ALIGN = 64  # S_cap grows in steps of at least this (and doubles), so growth is rare
+KEY_BLOCK = 64  # positions per key block of a blocked mirror (attention.h's KEY_BLOCK; S_cap is a multiple)
+_VECTOR = 16  # floats per kernel vector: the kernel takes head_dim in whole vectors
 
 
 @dataclass
@@ -61,9 +74,12 @@ class MirrorPlan:
 
 
 class DecodeMirror:
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, blocked_keys: bool = False) -> None:
+        """``blocked_keys``: lay float32 keys out in blocks (the module docstring) for the kernel."""
         self.budget_bytes = budget_bytes
-        self._k: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, head_dim, S_cap]
+        self.blocked_keys = blocked_keys
+        self.blocked = False  # whether the buffers are blocked (decided with the first one)
+        self._k: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, head_dim, S_cap] (or blocked)
         self._v: dict[int, torch.Tensor] = {}  # layer id -> [L_cap, kv_heads, S_cap, head_dim]
         self._lanes_cap = 0
         self._s_cap = 0
@@ -158,14 +174,28 @@ class DecodeMirror:
     # -- per layer ----------------------------------------------------------------------------
 
     def layer_kv(self, layer_id: int, plan: MirrorPlan, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                 k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Bring this layer's lanes up to date and append the new token; returns the K and V
-        views attention reads: K^T [B, kv_heads, head_dim, S] and V [B, kv_heads, S, head_dim] (pool dtype)."""
+        views attention reads: K^T [B, kv_heads, head_dim, S] (None from a blocked mirror: the
+        kernel reads ``whole``, anything else ``plain_keys``) and V [B, kv_heads, S, head_dim] (pool dtype)."""
         mk, mv = self._sync(layer_id, plan, k_buf, v_buf)
-        mk[plan.lanes, :, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
+        if self.blocked:  # the index tensors' dimension goes first: [B, kv_heads, head_dim]
+            mk[plan.lanes, :, plan.positions // KEY_BLOCK, :, plan.positions % KEY_BLOCK] = k_new.to(mk.dtype)
+        else:
+            mk[plan.lanes, :, :, plan.positions] = k_new.to(mk.dtype)  # [B, kv_heads, head_dim]
         mv[plan.lanes, :, plan.positions] = v_new.to(mv.dtype)
         b, s = plan.num_lanes, plan.max_seq
-        return mk[:b, :, :, :s], mv[:b, :, :s]
+        return (None if self.blocked else mk[:b, :, :, :s]), mv[:b, :, :s]
+
+    def plain_keys(self, layer_id: int, lanes: int, s: int) -> torch.Tensor:
+        """K^T [lanes, kv_heads, head_dim, s] of lanes 0 .. lanes - 1: a view of a plain mirror, a
+        copy out of a blocked one."""
+        mk = self._k[layer_id]
+        if not self.blocked:
+            return mk[:lanes, :, :, :s]
+        n, hk, nblk, d, w = mk.shape
+        blocks = -(-s // w)
+        return mk[:lanes, :, :blocks].permute(0, 1, 3, 2, 4).reshape(lanes, hk, d, blocks * w)[..., :s]
 
     def prepare(self, plan: MirrorPlan, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor]) -> None:
         """Bring every layer's lanes up to date for this step without appending: the whole-step
@@ -180,31 +210,54 @@ class DecodeMirror:
         if layer_id not in plan.done_layers:
             plan.done_layers.add(layer_id)
             for src, dst, length in plan.moves:
-                mk[dst, :, :, :length] = mk[src, :, :, :length]
+                if self.blocked:  # whole blocks: the columns past length are never read
+                    blocks = -(-length // KEY_BLOCK)
+                    mk[dst, :, :blocks] = mk[src, :, :blocks]
+                else:
+                    mk[dst, :, :, :length] = mk[src, :, :, :length]
                 mv[dst, :, :length] = mv[src, :, :length]
             for lane, slots in plan.fills:
-                mk[lane, :, :, : slots.shape[0]] = k_buf.index_select(0, slots).permute(1, 2, 0)
-                mv[lane, :, : slots.shape[0]] = v_buf.index_select(0, slots).transpose(0, 1)
+                keys = k_buf.index_select(0, slots)  # [n, kv_heads, head_dim]
+                n = slots.shape[0]
+                if self.blocked:
+                    full, rest = divmod(n, KEY_BLOCK)
+                    hk, d = keys.shape[1:]
+                    if full:  # [full * 16, hk, d] -> [hk, full, d, 16]
+                        mk[lane, :, :full] = keys[: full * KEY_BLOCK].view(full, KEY_BLOCK, hk, d).permute(2, 0, 3, 1)
+                    if rest:
+                        mk[lane, :, full, :, :rest] = keys[full * KEY_BLOCK:].permute(1, 2, 0)
+                else:
+                    mk[lane, :, :, :n] = keys.permute(1, 2, 0)
+                mv[lane, :, :n] = v_buf.index_select(0, slots).transpose(0, 1)
         return mk, mv
 
     def whole(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's whole buffers, [L_cap, kv_heads, head_dim, S_cap] and [L_cap, kv_heads,
-        S_cap, head_dim] (after ``layer_kv`` of this step): the native kernel takes them with the
-        lanes' lengths instead of views."""
+        """This layer's whole buffers, [L_cap, kv_heads, head_dim, S_cap] (blocked: [L_cap,
+        kv_heads, S_cap / 16, head_dim, 16]) and [L_cap, kv_heads, S_cap, head_dim] (after
+        ``layer_kv`` of this step): the native kernel takes them with the lanes' lengths instead of
+        views."""
         return self._k[layer_id], self._v[layer_id]
 
     def _buffers(self, layer_id: int, k_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's buffers at the planned capacity (grown, keeping their lanes, if needed)."""
         mk = self._k.get(layer_id)
-        if mk is not None and mk.shape[0] >= self._lanes_cap and mk.shape[3] >= self._s_cap:
+        if mk is not None and mk.shape[0] >= self._lanes_cap and self._v[layer_id].shape[2] >= self._s_cap:
             return mk, self._v[layer_id]
         _, hk, d = k_buf.shape
-        new_k = torch.zeros((self._lanes_cap, hk, d, self._s_cap), dtype=k_buf.dtype, device=k_buf.device)
+        if not self._k:  # the first buffer decides for all (every layer has the pool's dtype and head_dim)
+            self.blocked = (self.blocked_keys and k_buf.dtype == torch.float32 and d % _VECTOR == 0
+                            and self._s_cap % KEY_BLOCK == 0)
+        k_shape = ((self._lanes_cap, hk, self._s_cap // KEY_BLOCK, d, KEY_BLOCK) if self.blocked
+                   else (self._lanes_cap, hk, d, self._s_cap))
+        new_k = torch.zeros(k_shape, dtype=k_buf.dtype, device=k_buf.device)
         new_v = torch.zeros((self._lanes_cap, hk, self._s_cap, d), dtype=k_buf.dtype, device=k_buf.device)
         if mk is not None:
             old_v = self._v[layer_id]
-            lanes, s = mk.shape[0], mk.shape[3]
-            new_k[:lanes, :, :, :s] = mk
+            lanes, s = old_v.shape[0], old_v.shape[2]
+            if self.blocked:
+                new_k[:lanes, :, : s // KEY_BLOCK] = mk
+            else:
+                new_k[:lanes, :, :, :s] = mk
             new_v[:lanes, :, :s] = old_v
         self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
         self._k[layer_id], self._v[layer_id] = new_k, new_v

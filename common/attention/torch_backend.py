@@ -134,6 +134,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
         # None: not on CPU, no mirror, or the kernel did not build (torch ops then).
         self.native_decode = kernels.decode_attention() if self.mirror is not None and cpu else None
+        if self.mirror is not None:
+            self.mirror.blocked_keys = self.native_decode is not None  # the kernel's fast key layout
         # Causal prefill and extend on CPU in float32 (SDPA where it did not build, or elsewhere).
         self.native_prefill = kernels.prefill_attention() if cpu else None
 
@@ -182,17 +184,20 @@ class TorchAttentionBackend(AttentionBackend):
         """One query per request against its mirrored lane. [B, heads * head_dim]"""
         assert self.mirror is not None
         hq, d = layer.num_heads, layer.head_dim
-        keys_t, vals = self.mirror.layer_kv(layer.layer_id, plan, k_buf, v_buf, k, v)  # [B, kv_heads, d, S], [B, kv_heads, S, d]
+        keys_t, vals = self.mirror.layer_kv(layer.layer_id, plan, k_buf, v_buf, k, v)  # [B, kv_heads, d, S] | None, [B, kv_heads, S, d]
         ql = q if plan.to_lane is None else q.index_select(0, plan.to_lane)  # [B, heads, head_dim], lane order
         whole_k, whole_v = self.mirror.whole(layer.layer_id)
         if self.native_decode is not None and self.native_decode.supports(ql, whole_k):
             out = self.native_decode(ql, whole_k, whole_v, plan.lane_lens, plan.num_lanes, layer.scaling)
-        elif q.dtype == torch.float32 and keys_t.dtype == torch.float32:
-            out = _one_query_attention(ql, keys_t, vals, layer, plan)
-        else:  # half precision: SDPA accumulates in float32, two plain matmuls would not
-            out = torch.nn.functional.scaled_dot_product_attention(
-                ql[:, :, None, :], keys_t.transpose(-1, -2).to(q.dtype), vals.to(q.dtype), attn_mask=plan.mask,
-                scale=layer.scaling, enable_gqa=hq != layer.num_kv_heads)  # [B, heads, 1, head_dim]
+        else:
+            if keys_t is None:  # keys blocked for the kernel, which declined this layer: a plain copy
+                keys_t = self.mirror.plain_keys(layer.layer_id, plan.num_lanes, plan.max_seq)
+            if q.dtype == torch.float32 and keys_t.dtype == torch.float32:
+                out = _one_query_attention(ql, keys_t, vals, layer, plan)
+            else:  # half precision: SDPA accumulates in float32, two plain matmuls would not
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    ql[:, :, None, :], keys_t.transpose(-1, -2).to(q.dtype), vals.to(q.dtype), attn_mask=plan.mask,
+                    scale=layer.scaling, enable_gqa=hq != layer.num_kv_heads)  # [B, heads, 1, head_dim]
         out = out.view(-1, hq, d)
         if plan.from_lane is not None:
             out = out.index_select(0, plan.from_lane)  # back to batch order

@@ -125,7 +125,8 @@ class DecodeAttention:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.pdc_decode_attention
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                       ctypes.c_int]
         fn.restype = None
         self._fn = fn
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -133,19 +134,21 @@ class DecodeAttention:
     @staticmethod
     def supports(q: torch.Tensor, mirror_k: torch.Tensor) -> bool:
         """Whether the kernel takes this layer: float32 queries and mirror on the CPU, head_dim and
-        the key capacity in whole vectors (mirror_k: the whole [L_cap, kv_heads, head_dim, S_cap])."""
+        the key capacity in whole vectors (mirror_k: the whole buffer, either key layout)."""
+        dim, s_cap = key_dims(mirror_k)
         return (mirror_k.device.type == "cpu" and mirror_k.dtype == torch.float32 and q.dtype == torch.float32
-                and mirror_k.shape[2] % VECTOR_FLOATS == 0 and mirror_k.shape[3] % VECTOR_FLOATS == 0)
+                and dim % VECTOR_FLOATS == 0 and s_cap % VECTOR_FLOATS == 0)
 
     def __call__(self, q: torch.Tensor, mirror_k: torch.Tensor, mirror_v: torch.Tensor, lens: torch.Tensor,
                  num_lanes: int, scale: float) -> torch.Tensor:
         """softmax(q K^T * scale) V of each lane's one query against its first ``lens[lane]`` keys.
-        q: [B, heads, head_dim] float32; mirror_k: [L_cap, kv_heads, head_dim, S_cap] and mirror_v:
-        [L_cap, kv_heads, S_cap, head_dim], the mirror's whole (contiguous) buffers; lens: [B] int32.
-        Returns [B, heads, head_dim]."""
+        q: [B, heads, head_dim] float32; mirror_k: [L_cap, kv_heads, head_dim, S_cap] (plain) or
+        [L_cap, kv_heads, S_cap / 16, head_dim, 16] (blocked) and mirror_v: [L_cap, kv_heads, S_cap,
+        head_dim], the mirror's whole (contiguous) buffers; lens: [B] int32. Returns [B, heads, head_dim]."""
         q = q.contiguous()
         _, heads, dim = q.shape
-        _, kv_heads, _, s_cap = mirror_k.shape
+        kv_heads = mirror_k.shape[1]
+        _, s_cap = key_dims(mirror_k)
         assert mirror_k.is_contiguous() and mirror_v.is_contiguous() and lens.dtype == torch.int32
         assert q.shape[0] == num_lanes == lens.shape[0] and heads % kv_heads == 0 and s_cap % VECTOR_FLOATS == 0
         threads = max(1, torch.get_num_threads())
@@ -154,9 +157,17 @@ class DecodeAttention:
             self._scratch = torch.empty(need, dtype=torch.float32)
         out = torch.empty_like(q)
         self._fn(q.data_ptr(), mirror_k.data_ptr(), mirror_v.data_ptr(), out.data_ptr(), lens.data_ptr(),
-                 self._scratch.data_ptr(), num_lanes, heads, kv_heads, dim, s_cap, mirror_k.stride(0),
-                 mirror_v.stride(0), scale, threads)
+                 self._scratch.data_ptr(), num_lanes, heads, kv_heads, dim, s_cap, int(mirror_k.dim() == 5),
+                 mirror_k.stride(0), mirror_v.stride(0), scale, threads)
         return out
+
+
+def key_dims(mirror_k: torch.Tensor) -> tuple[int, int]:
+    """(head_dim, S_cap) of a decode mirror's whole key buffer, plain [L, kv_heads, head_dim, S_cap]
+    or blocked [L, kv_heads, S_cap / 16, head_dim, 16] (attention.h)."""
+    if mirror_k.dim() == 5:
+        return mirror_k.shape[3], mirror_k.shape[2] * mirror_k.shape[4]
+    return mirror_k.shape[2], mirror_k.shape[3]
 
 
 def decode_attention() -> DecodeAttention | None:
@@ -260,7 +271,7 @@ class DecodeStep:
 
     class Shape(ctypes.Structure):  # decode_step.cpp's ``Shape``
         _fields_ = [*((name, ctypes.c_int64) for name in (
-            "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "s_cap")),
+            "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "s_cap", "blocked_keys")),
             ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
     MAX_HEAD_DIM = 512  # decode_step.cpp's per-head buffer

@@ -11,12 +11,18 @@
 //
 // Layout (the mirror's, common/attention/decode_mirror.py), strides in floats:
 //   q    [B, heads, head_dim]              contiguous
-//   k    [B, kv_heads, head_dim, s_cap]    keys transposed: a position is a column
+//   k    [B, kv_heads, head_dim, s_cap]    keys transposed: a position is a column ("plain"), or
+//        [B, kv_heads, s_cap / KB, head_dim, KB]  the same in blocks of KB = 64 positions ("blocked")
 //   v    [B, kv_heads, s_cap, head_dim]
 //   out  [B, heads, head_dim]              contiguous
 //   lens [B]                               keys of each row's lane, 1 .. s_cap
-// Row b of q and out reads lane lanes[b] of k and v (lane b when there is no lane table).
-// Query head h reads KV head h / (heads / kv_heads), the HF and SGLang convention.
+// Plain keys are one block of s_cap positions: either way a block is [head_dim, width] and the
+// blocks of a head follow each other.
+//
+// Why blocked keys: a score block walks head_dim rows of a few vectors each. Plain, those are
+// head_dim short stretches s_cap apart, more streams than the hardware prefetchers follow, so the
+// keys came in at 12-15 GB/s of 27 on an AMD EPYC Zen 4 (the values, read in order, at ~25).
+// Blocked, a score block of 4 vectors is one whole block, and a head's keys are read front to back.
 // Contract: head_dim and s_cap are multiples of 16 (VW). Score blocks read keys up to the next
 // multiple of 16 past a lane's length; those columns lie inside s_cap and their scores are never
 // used.
@@ -34,21 +40,27 @@
 
 namespace pdc::attention {
 
-// Software prefetch (a hint: no fault even past a buffer's end). Per lane and head the hardware
-// prefetchers alone kept a step at ~19 GB/s of keys and values out of ~38 a plain pass reads;
-// asking for the next score block's row segment while this block runs, and for the value row
-// PREFETCH_ROWS ahead, took 30 layers of SmolLM2's shape (8 lanes x 175 keys) from 3.4-3.9 to 2.3-2.5 ms.
+// Software prefetch (a hint: no fault even past a buffer's end) of the value row PREFETCH_ROWS
+// ahead, and of plain keys (score_block_ahead).
 constexpr int PREFETCH_ROWS = 16;
 
-// Scores of GB query rows against keys [s0, s0 + SB * VW): q rows pre-scaled, sums in registers.
-template <int GB, int SB>
-inline void score_block(const float* q, int dim, const float* kt, int64_t ldk, int s0, float* scores, int64_t lds) {
+constexpr int KEY_BLOCK = 64;  // positions per block of blocked keys (4 vectors)
+
+// Scores of GB query rows against SB vectors of keys that lie side by side in their rows (within
+// one block): kb points at row 0 of the first, rows ldk floats apart; the sums go to scores
+// columns [s0, s0 + SB * VW). q rows pre-scaled, sums in registers. AHEAD (plain keys): ask for
+// the same row of the next SB vectors meanwhile; per lane and head the hardware prefetchers alone
+// kept a step at ~19 GB/s of keys and values out of ~38 a plain pass reads (Zen 5; 8 lanes x 175
+// keys of SmolLM2's shape: 3.4-3.9 -> 2.3-2.5 ms). Blocked keys are read in order and need none.
+template <int GB, int SB, bool AHEAD = false>
+inline void score_block(const float* q, int dim, const float* kb, int64_t ldk, int s0, float* scores, int64_t lds) {
     vf acc[GB][SB];
     for (int g = 0; g < GB; g++)
         for (int j = 0; j < SB; j++) acc[g][j] = vf{};
     for (int d = 0; d < dim; d++) {
-        const float* kd = kt + d * ldk + s0;
-        for (int j = 0; j < SB; j++) __builtin_prefetch(kd + (SB + j) * VW);  // this row, next block
+        const float* kd = kb + d * ldk;
+        if constexpr (AHEAD)
+            for (int j = 0; j < SB; j++) __builtin_prefetch(kd + (SB + j) * VW);
         vf key[SB];
         for (int j = 0; j < SB; j++) key[j] = load(kd + j * VW);
         for (int g = 0; g < GB; g++) {
@@ -116,10 +128,26 @@ inline void values(const float* p, int64_t ldp, const float* v, int64_t ldv, int
     for (; d < dim; d += VW) value_block<GB, 1, ACC>(p, ldp, v, ldv, len, d, out, dim);
 }
 
-// GB (1-4) query rows of one KV head: scores, softmax, values. q is pre-scaled.
+// Scores of GB query rows against the first len keys of one head: plain keys (blocked false;
+// ldk = s_cap) or blocks of KEY_BLOCK (ldk unused). Every score sums over head_dim in order,
+// whatever the grouping, so both layouts give the same bits.
 template <int GB>
-void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, const float* v, int64_t ldv, int len,
-                 float* scores, int64_t lds, float* out) {
+inline void scores_of(const float* q, int dim, const float* kt, int64_t ldk, bool blocked, int len, float* scores,
+                      int64_t lds) {
+    const int nvec = (len + VW - 1) / VW;
+    if (blocked) {
+        constexpr int W = KEY_BLOCK / VW;
+        for (int b0 = 0; b0 < nvec; b0 += W) {
+            const float* kb = kt + static_cast<int64_t>(b0 / W) * dim * KEY_BLOCK;  // one [dim, KEY_BLOCK] block
+            int j = 0;
+            if (nvec - b0 >= W) {
+                score_block<GB, W>(q, dim, kb, KEY_BLOCK, b0 * VW, scores, lds);
+                continue;
+            }
+            for (; b0 + j < nvec; j++) score_block<GB, 1>(q, dim, kb + j * VW, KEY_BLOCK, (b0 + j) * VW, scores, lds);
+        }
+        return;
+    }
     // GB * SB accumulators and SB keys in registers: 6 key vectors up to 2 rows, and for 3 rows with
     // AVX-512 (25 of its 32 registers; SmolLM2's 9/3 heads, 30 layers, 8-32 lanes x 185-400 keys:
     // 3-7 % faster than 4), 4 beyond.
@@ -128,20 +156,27 @@ void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, const fl
 #else
     constexpr int SB = GB <= 2 ? 6 : 4;
 #endif
-    int s = 0;
-    for (; s + SB * VW <= len; s += SB * VW) score_block<GB, SB>(q, dim, kt, ldk, s, scores, lds);
-    for (; s < len; s += VW) score_block<GB, 1>(q, dim, kt, ldk, s, scores, lds);
+    int j = 0;
+    for (; j + SB <= nvec; j += SB) score_block<GB, SB, true>(q, dim, kt + j * VW, ldk, j * VW, scores, lds);
+    for (; j < nvec; j++) score_block<GB, 1, true>(q, dim, kt + j * VW, ldk, j * VW, scores, lds);
+}
+
+// GB (1-4) query rows of one KV head: scores, softmax, values. q is pre-scaled.
+template <int GB>
+void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, bool blocked, const float* v, int64_t ldv,
+                 int len, float* scores, int64_t lds, float* out) {
+    scores_of<GB>(q, dim, kt, ldk, blocked, len, scores, lds);
     for (int g = 0; g < GB; g++) softmax_row(scores + g * lds, len);
     values<GB>(scores, lds, v, ldv, len, out, dim);
 }
 
 // Every (row, KV head) of a batch, split over `num_threads` OpenMP threads. Row b reads lane
-// lanes[b] (b itself when lanes is null) and its first lens[b] keys. scratch: num_threads * (heads /
-// kv_heads) * (s_cap + head_dim) floats, each thread its own slice (scores, then the group's
-// scaled queries).
+// lanes[b] (b itself when lanes is null) and its first lens[b] keys; `blocked`: the keys' layout
+// (above). scratch: num_threads * (heads / kv_heads) * (s_cap + head_dim) floats, each thread its
+// own slice (scores, then the group's scaled queries).
 template <typename Len>
 void run(const float* q, const float* k, const float* v, float* out, const int64_t* lanes, const Len* lens,
-         float* scratch, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t s_cap,
+         float* scratch, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t s_cap, bool blocked,
          int64_t k_lane_stride, int64_t v_lane_stride, float scale, int num_threads) {
     const int64_t group = heads / kv_heads, items = batch * kv_heads;
     const int64_t slice = group * (s_cap + dim);
@@ -158,7 +193,7 @@ void run(const float* q, const float* k, const float* v, float* out, const int64
         float* qs = scores + group * s_cap;
         const float* qh = q + (b * heads + h * group) * dim;
         for (int64_t i = 0; i < group * dim; i++) qs[i] = qh[i] * scale;
-        const float* kt = k + lane * k_lane_stride + h * dim * s_cap;
+        const float* kt = k + lane * k_lane_stride + h * dim * s_cap;  // a head's keys: dim * s_cap either way
         const float* vh = v + lane * v_lane_stride + h * s_cap * dim;
         float* oh = out + (b * heads + h * group) * dim;
         const int len = static_cast<int>(lens[b]), d = static_cast<int>(dim);
@@ -167,10 +202,10 @@ void run(const float* q, const float* k, const float* v, float* out, const int64
             float* sg = scores + g * s_cap;
             const float* qg = qs + g * dim;
             float* og = oh + g * dim;
-            if (left >= 4) { attend_rows<4>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 4; }
-            else if (left == 3) { attend_rows<3>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 3; }
-            else if (left == 2) { attend_rows<2>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 2; }
-            else { attend_rows<1>(qg, d, kt, s_cap, vh, dim, len, sg, s_cap, og); g += 1; }
+            if (left >= 4) { attend_rows<4>(qg, d, kt, s_cap, blocked, vh, dim, len, sg, s_cap, og); g += 4; }
+            else if (left == 3) { attend_rows<3>(qg, d, kt, s_cap, blocked, vh, dim, len, sg, s_cap, og); g += 3; }
+            else if (left == 2) { attend_rows<2>(qg, d, kt, s_cap, blocked, vh, dim, len, sg, s_cap, og); g += 2; }
+            else { attend_rows<1>(qg, d, kt, s_cap, blocked, vh, dim, len, sg, s_cap, og); g += 1; }
         }
     }
 }

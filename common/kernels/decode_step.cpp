@@ -49,12 +49,13 @@ struct Layer {
     const float* down_bias;
     float* k_pool;  // [slots, kv_heads, head_dim]
     float* v_pool;
-    float* k_mirror;  // [lanes, kv_heads, head_dim, s_cap]
+    float* k_mirror;  // [lanes, kv_heads, head_dim, s_cap], or in blocks of 16 positions (Shape::blocked_keys)
     float* v_mirror;  // [lanes, kv_heads, s_cap, head_dim]
 };
 
 struct Shape {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, s_cap;
+    int64_t blocked_keys;  // the mirror's key layout (attention.h): 0 plain, 1 blocked
     float eps, scale;
 };
 
@@ -165,14 +166,18 @@ extern "C" void pdc_decode_step(const Layer* layers, const Shape* shape, int64_t
                 float* vp = L.v_pool + slots[b] * kv_size + h * d;
                 norm_rope(row + q_size + h * d, L.k_norm, s.eps, c, sn, kp, d);
                 std::memcpy(vp, row + q_size + kv_size + h * d, sizeof(float) * d);
-                float* km = L.k_mirror + lane * k_lane + h * d * s.s_cap + pos;  // column pos of [d, s_cap]
+                // Column pos of [d, s_cap], or column pos % KB of block pos / KB's [d, KB].
+                constexpr int64_t KB = attention::KEY_BLOCK;
+                float* km = L.k_mirror + lane * k_lane + h * d * s.s_cap +
+                            (s.blocked_keys ? (pos / KB) * d * KB + pos % KB : pos);
+                const int64_t k_row = s.blocked_keys ? KB : s.s_cap;
                 float* vm = L.v_mirror + lane * v_lane + (h * s.s_cap + pos) * d;
-                for (int64_t i = 0; i < d; i++) km[i * s.s_cap] = kp[i];
+                for (int64_t i = 0; i < d; i++) km[i * k_row] = kp[i];
                 std::memcpy(vm, vp, sizeof(float) * d);
             }
         }
         attention::run(sc.q, L.k_mirror, L.v_mirror, sc.att, lanes, lens, sc.attn, batch, s.heads, s.kv_heads, d,
-                       s.s_cap, k_lane, v_lane, s.scale, num_threads);
+                       s.s_cap, s.blocked_keys != 0, k_lane, v_lane, s.scale, num_threads);
         linear::run(sc.att, batch, q_size, q_size, L.o, H, L.o_bias, sc.tmp, H, num_threads);
         for (int64_t b = 0; b < batch; b++) {
             add(sc.res + b * H, sc.tmp + b * H, H);

@@ -124,8 +124,8 @@ void run(const float* q, const float* k, const float* v, float* out, int64_t G, 
                 const int kb = static_cast<int>(std::min<int64_t>(KB, kend - kb0));
                 // Scores of a tile of rows against this block's KB keys: attention.h's score block.
                 by_tiles(rows, [&](auto R, int r0) {
-                    attention::score_block<decltype(R)::value, KB / VW>(qs.data() + r0 * dim, d, kt + kb0, s_pad, 0,
-                                                                       s.data() + r0 * KB, KB);
+                    attention::score_block<decltype(R)::value, KB / VW, true>(qs.data() + r0 * dim, d, kt + kb0, s_pad,
+                                                                             0, s.data() + r0 * KB, KB);
                 });
                 for (int r = 0; r < rows; r++) {
                     const int64_t pos = first_pos + r / group;  // this row's token's position

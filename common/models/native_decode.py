@@ -137,10 +137,13 @@ class NativeDecode:
         if self.mirror.generation == self._mirror_generation:
             return
         whole = [self.mirror.whole(i) for i in range(len(self.layers))]
-        s_caps = {k.shape[3] for k, _ in whole}
-        assert len(s_caps) == 1 and all(v.shape[2] == k.shape[3] for k, v in whole), "mirror layers disagree"
+        s_caps = {kernels.key_dims(k)[1] for k, _ in whole}
+        layouts = {k.dim() for k, _ in whole}
+        assert len(s_caps) == 1 and len(layouts) == 1 and all(v.shape[2] == kernels.key_dims(k)[1] for k, v in whole), \
+            "mirror layers disagree"
         for entry, (k, v) in zip(self.layers, whole):
             assert k.is_contiguous() and v.is_contiguous()
             entry.k_mirror, entry.v_mirror = k.data_ptr(), v.data_ptr()
         self.shape.s_cap = s_caps.pop()
+        self.shape.blocked_keys = int(layouts.pop() == 5)
         self._mirror_generation = self.mirror.generation

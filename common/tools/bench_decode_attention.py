@@ -5,7 +5,8 @@ One float32 query per lane against its lane's keys and values, laid out as the d
 keeps them, one buffer per layer so that, as in a real step, a layer's keys come from memory and
 not from the cache the previous layer left. Per shape: the median of ``--repeat`` passes over all
 the layers (after one warm-up), and the K and V bytes read per second, to set against
-``bench_limits``' read bandwidth.
+``bench_limits``' read bandwidth. The kernel runs on both key layouts (decode_mirror.py): plain
+transposed keys, and keys in blocks of 16 positions (what a node's mirror holds for the kernel).
 
     python -m common.tools.bench_decode_attention [--heads 9 --kv-heads 3 --head-dim 64]
         [--lanes 8,32] [--keys 175,400] [--layers 30] [--repeat 15] [--threads 1]
@@ -22,7 +23,7 @@ import torch
 
 from common import kernels
 from common.attention.base import AttentionLayerSpec
-from common.attention.decode_mirror import MirrorPlan
+from common.attention.decode_mirror import KEY_BLOCK, MirrorPlan
 from common.attention.torch_backend import _one_query_attention
 
 
@@ -41,6 +42,8 @@ def run_shape(heads: int, kv_heads: int, dim: int, lanes: int, keys: int, layers
     """ms over all layers and GB/s of K+V read, for the torch ops and (if built) the kernel."""
     s_cap = -(-keys // 64) * 64
     mk = [torch.randn(lanes, kv_heads, dim, s_cap) for _ in range(layers)]
+    w = KEY_BLOCK  # the same keys in blocks: [lanes, kv_heads, s_cap / 16, dim, 16]
+    mk_blocked = [k.view(lanes, kv_heads, dim, s_cap // w, w).permute(0, 1, 3, 2, 4).contiguous() for k in mk]
     mv = [torch.randn(lanes, kv_heads, s_cap, dim) for _ in range(layers)]
     q = torch.randn(lanes, heads, dim)
     lens = torch.full((lanes,), keys, dtype=torch.int32)
@@ -57,12 +60,13 @@ def run_shape(heads: int, kv_heads: int, dim: int, lanes: int, keys: int, layers
     out = {"ops_ms": _median_s(ops, repeat) * 1e3}
     out["ops_gbs"] = nbytes / out["ops_ms"] / 1e6
     if kernel is not None:
-        def fused() -> None:
-            for k, v in zip(mk, mv):
-                kernel(q, k, v, lens, lanes, spec.scaling)
+        for name, keys_of_layers in (("plain", mk), ("blocked", mk_blocked)):
+            def fused(keys_of_layers: list[torch.Tensor] = keys_of_layers) -> None:
+                for k, v in zip(keys_of_layers, mv):
+                    kernel(q, k, v, lens, lanes, spec.scaling)
 
-        out["kernel_ms"] = _median_s(fused, repeat) * 1e3
-        out["kernel_gbs"] = nbytes / out["kernel_ms"] / 1e6
+            out[f"{name}_ms"] = _median_s(fused, repeat) * 1e3
+            out[f"{name}_gbs"] = nbytes / out[f"{name}_ms"] / 1e6
     return out
 
 
@@ -81,14 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     kernel = kernels.decode_attention()
     print(f"heads {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, {a.layers} layers, {a.threads} thread(s), "
           f"kernel {'built' if kernel else 'NOT built (torch ops only)'}")
-    print("| lanes | keys | torch ops ms | GB/s | kernel ms | GB/s | ops / kernel |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| lanes | keys | torch ops ms | GB/s | kernel, plain keys ms | GB/s | kernel, blocked keys ms | GB/s "
+          "| ops / blocked |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for lanes in (int(x) for x in a.lanes.split(",")):
         for keys in (int(x) for x in a.keys.split(",")):
             r = run_shape(a.heads, a.kv_heads, a.head_dim, lanes, keys, a.layers, a.repeat, kernel)
-            k_ms, k_gbs = r.get("kernel_ms"), r.get("kernel_gbs")
-            print(f"| {lanes} | {keys} | {r['ops_ms']:.2f} | {r['ops_gbs']:.1f} | "
-                  + (f"{k_ms:.2f} | {k_gbs:.1f} | {r['ops_ms'] / k_ms:.2f}x |" if k_ms else "- | - | - |"))
+            cells = [f"{r[f'{n}_ms']:.2f} | {r[f'{n}_gbs']:.1f}" if f"{n}_ms" in r else "- | -"
+                     for n in ("plain", "blocked")]
+            ratio = f"{r['ops_ms'] / r['blocked_ms']:.2f}x" if "blocked_ms" in r else "-"
+            print(f"| {lanes} | {keys} | {r['ops_ms']:.2f} | {r['ops_gbs']:.1f} | {cells[0]} | {cells[1]} | {ratio} |")
     return 0
 
 

@@ -11,7 +11,7 @@ import torch
 
 from common import kernels
 from common.attention.base import AttentionLayerSpec
-from common.attention.decode_mirror import MirrorPlan
+from common.attention.decode_mirror import KEY_BLOCK, MirrorPlan
 from common.attention.torch_backend import TorchAttentionBackend
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.kvcache.pool import KVLayout, KVPool
@@ -154,6 +154,43 @@ def test_mirror_equals_the_gather_path_through_joins_leaves_reuse_and_growth(dim
     assert planned == 90  # every step ran on the mirror, none fell back
     assert calls[0] == (90 * LAYERS if dims[2] % 16 == 0 else 0)
     assert mirror.mirror is not None and mirror.mirror.nbytes() > 0
+    # Keys in blocks of 16 positions exactly where the kernel reads them.
+    assert mirror.mirror.blocked == (dims[2] % 16 == 0)
+    assert mirror.mirror.whole(0)[0].dim() == (5 if dims[2] % 16 == 0 else 4)
+
+
+def test_blocked_keys_without_the_kernel_fill_move_append_and_copy_out_exactly() -> None:
+    """A blocked mirror read by the torch ops (``plain_keys``): the blocked fills (whole blocks
+    and a part), moves of whole blocks, appends into a block's column and growth of S_cap all land
+    where a plain mirror has them, on any machine (no kernel involved). Lengths around a block (64)
+    and its multiples."""
+    dims = (6, 2, 16)
+    sim = Sim(seed=6, dims=dims)
+    blocked, plain, gather = (TorchAttentionBackend(decode_mirror_bytes=64 << 20),
+                              TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend())
+    for backend, wants in ((blocked, True), (plain, False)):
+        backend.native_decode = None
+        assert backend.mirror is not None
+        backend.mirror.blocked_keys = wants
+    live = [sim.admit(n) for n in (63, 64, 65, 33, 1)]
+    for step in range(80):
+        if step % 6 == 2:  # the last lane moves into the hole
+            sim.finish(live.pop(sim.rng.randrange(len(live) - 1)))
+        if step % 4 == 0 and len(live) < 12:  # lengths around a block, crossing S_cap (64, 128)
+            live.append(sim.admit(sim.rng.choice([1, 15, 16, 17, 63, 64, 65, 100, 127, 128, 129])))
+        order = live[:]
+        if step % 3 == 0:
+            sim.rng.shuffle(order)
+        mirrored, plain_out, gathered, ref = sim.step(order, [blocked, plain, gather])
+        check([mirrored, gathered, ref])
+        assert torch.equal(mirrored, plain_out)  # the same keys, so the same float ops
+    assert blocked.mirror.blocked and not plain.mirror.blocked
+    b_k, p_k = blocked.mirror.whole(1)[0], plain.mirror.whole(1)[0]
+    assert b_k.dim() == 5 and b_k.shape[4] == KEY_BLOCK and b_k.shape[2] * KEY_BLOCK == p_k.shape[3]
+    n, s = blocked.mirror.lanes_in_use, max(sim.lens[r] for r in live)
+    b_plain, p_plain = blocked.mirror.plain_keys(1, n, s), plain.mirror.plain_keys(1, n, s)
+    for lane, length in enumerate(blocked.mirror._len):  # past a lane's length the two may differ
+        assert torch.equal(b_plain[lane, :, :, :length], p_plain[lane, :, :, :length])
 
 
 @PATHS

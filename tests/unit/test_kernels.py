@@ -14,7 +14,7 @@ import torch
 
 from common import kernels
 from common.attention.base import AttentionLayerSpec
-from common.attention.decode_mirror import MirrorPlan
+from common.attention.decode_mirror import KEY_BLOCK, MirrorPlan
 from common.attention.torch_backend import TorchAttentionBackend, _one_query_attention
 
 needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler to build the kernel with")
@@ -34,6 +34,13 @@ def mirror(lanes: int, kv_heads: int, dim: int, s_cap: int, gen: torch.Generator
     k = torch.randn(lanes, kv_heads, dim, s_cap, generator=gen)
     v = torch.randn(lanes, kv_heads, s_cap, dim, generator=gen)
     return k, v
+
+
+def blocked(k: torch.Tensor) -> torch.Tensor:
+    """Plain mirror keys [lanes, kv_heads, dim, s_cap] in blocks: [lanes, kv_heads, s_cap / 64, dim, 64]."""
+    lanes, kv_heads, dim, s_cap = k.shape
+    w = KEY_BLOCK
+    return k.view(lanes, kv_heads, dim, s_cap // w, w).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
@@ -75,6 +82,9 @@ def test_kernel_matches_float64_and_the_torch_ops(kernel: kernels.DecodeAttentio
     scale = dim**-0.5
     out = kernel(q, k, v, torch.tensor(lens, dtype=torch.int32), len(lens), scale)
     torch.testing.assert_close(out.double(), reference(q, k, v, lens, scale), rtol=1e-5, atol=2e-6)
+    # The same keys in blocks: the same sums in the same order, so the same bits.
+    assert kernels.DecodeAttention.supports(q, blocked(k))
+    assert torch.equal(kernel(q, blocked(k), v, torch.tensor(lens, dtype=torch.int32), len(lens), scale), out)
     # The torch-op path on the same views (a mask for the ragged lengths): equal up to rounding.
     s = max(lens)
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, scale)
@@ -174,5 +184,5 @@ def test_bench_tool_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None
     assert bench.main(["--lanes", "2", "--keys", "40", "--layers", "2", "--repeat", "2"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].strip("|").split("|")
     assert [c.strip() for c in row[:2]] == ["2", "40"] and float(row[2]) > 0
-    if kernels.decode_attention() is not None:
-        assert float(row[4]) > 0 and row[6].strip().endswith("x")
+    if kernels.decode_attention() is not None:  # plain keys, blocked keys, ops / blocked
+        assert float(row[4]) > 0 and float(row[6]) > 0 and row[8].strip().endswith("x")
