@@ -20,7 +20,9 @@ Run::
       -> the workload: Poisson arrivals (--request-rate, inf = all at once), --max-concurrency cap,
          random lengths (--input-len, --output-len, --range-ratio) or --workload mixed
          (--mixed-lengths, default 90 % 128-token and 10 % 2048-token prompts), token-id prompts,
-         ignore_eos; --request-rate-sweep R1,R2,...: the workload once per rate, same target;
+         ignore_eos; --request-rate-sweep R1,R2,...: the same shapes once per rate (new prompt
+         tokens each), same target, with SLO attainment per rate and the capacity at
+         --slo-attainment;
          or --workload multiturn: --num-conversations x --num-turns, each conversation on its own
          clock (arrivals at --request-rate conversations/s, --think-time between turns), each turn
          resending the conversation (common/tools/bench_multiturn.py), reported per turn
