@@ -108,9 +108,43 @@ class DecodeMirror:
 
     # -- planning (once per decode batch) -----------------------------------------------------
 
-    def plan(self, batch: ForwardBatch) -> MirrorPlan | None:
-        """Lanes for this decode batch, or None when the mirror would exceed its budget."""
-        rows, epochs, seq = batch.rows_cpu, batch.row_epochs, batch.seq_lens_cpu
+    def plan_within_budget(self, batch: ForwardBatch) -> tuple[MirrorPlan, list[int]] | None:
+        """Lanes for as many of this batch's requests as the budget holds: the plan and the batch
+        indices it covers (in the plan's row order), the longest requests left out first; None
+        when not even one fits.
+
+        Why: lanes share one capacity, so one long request among many short ones sizes every lane
+        to its length (16 lanes x 2176 keys of SmolLM2's shape: 1.6 GB). Without it the batch
+        takes the mirror; the requests left out attend from the pages (``TorchAttentionBackend``),
+        instead of the whole batch gathering every step."""
+        seq = batch.seq_lens_cpu
+        longest_first = sorted(range(len(seq)), key=lambda i: -seq[i])
+        for k in range(len(seq)):
+            keep = sorted(longest_first[k:])
+            s = max(seq[i] for i in keep)
+            if self._fits(len(keep), s, fresh=False):
+                break
+            if self._fits(len(keep), s, fresh=True):
+                self.reset()  # smaller buffers than the ones held: start them again
+                break
+        else:
+            self.reset()
+            return None
+        plan = self._plan_rows(batch, keep)
+        return None if plan is None else (plan, keep)
+
+    def _fits(self, lanes: int, s: int, fresh: bool) -> bool:
+        """Whether lanes x s fits the budget, at the capacities held (grown) or from nothing."""
+        lanes_cap, s_cap = (0, 0) if fresh else (self._lanes_cap, self._s_cap)
+        lanes_cap = max(lanes_cap, _grow(lanes_cap, lanes, 8))
+        s_cap = max(s_cap, _grow(s_cap, s, _S_ALIGN))
+        return lanes_cap * s_cap * sum(self._token_bytes.values()) <= self.budget_bytes
+
+    def _plan_rows(self, batch: ForwardBatch, index: list[int]) -> MirrorPlan | None:
+        """The plan for the batch requests at ``index`` (lanes in that order), or None over budget."""
+        rows = [batch.rows_cpu[i] for i in index]
+        epochs = [batch.row_epochs[i] for i in index]
+        seq = [batch.seq_lens_cpu[i] for i in index]
         n, s = len(rows), max(seq)
         lanes_cap = max(self._lanes_cap, _grow(self._lanes_cap, n, 8))
         s_cap = max(self._s_cap, _grow(self._s_cap, s, _S_ALIGN))

@@ -53,6 +53,16 @@ ATTN_BLOCK = 64
 
 
 @dataclass
+class _PartlyMirrored:
+    """A decode batch the mirror holds only part of (``DecodeMirror.plan_within_budget``): the
+    mirrored requests' plan and batch indices, and groups for the rest, which attend from the pages."""
+
+    plan: MirrorPlan
+    mirrored: torch.Tensor  # [M] int64 batch index of each of the plan's rows
+    groups: list[_Group]
+
+
+@dataclass
 class _Group:
     num_reqs: int
     max_ext: int
@@ -144,15 +154,24 @@ class TorchAttentionBackend(AttentionBackend):
             self.mirror.reset()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if self.mirror is not None and batch.mode is ForwardMode.DECODE and len(batch.rows_cpu) == batch.batch_size:
-            plan = self.mirror.plan(batch)
-            if plan is not None:
-                batch.attn_metadata = plan
-                return
         ext, seq = batch.extend_lens_cpu, batch.seq_lens_cpu
         starts = [0] * len(ext)
         for i in range(1, len(ext)):
             starts[i] = starts[i - 1] + ext[i - 1]
+        if self.mirror is not None and batch.mode is ForwardMode.DECODE and len(batch.rows_cpu) == batch.batch_size:
+            planned = self.mirror.plan_within_budget(batch)
+            if planned is not None:
+                plan, mirrored = planned
+                if len(mirrored) == len(seq):
+                    batch.attn_metadata = plan
+                    return
+                held = set(mirrored)
+                rest = [i for i in range(len(seq)) if i not in held]
+                groups = [[rest[j] for j in g] for g in plan_groups([ext[i] for i in rest], [seq[i] for i in rest])]
+                batch.attn_metadata = _PartlyMirrored(
+                    plan, torch.tensor(mirrored, dtype=torch.int64, device=batch.req_pool_indices.device),
+                    [_plan_group(g, batch, starts, False) for g in groups])
+                return
         groups = plan_groups(ext, seq)
         whole = len(groups) == 1
         batch.attn_metadata = [_plan_group(g, batch, starts, whole) for g in groups]
@@ -169,6 +188,17 @@ class TorchAttentionBackend(AttentionBackend):
         v_buf = batch.kv_pool.v_buffers[layer.layer_id]
         if isinstance(batch.attn_metadata, MirrorPlan):
             return self._decode_mirrored(q, k, v, k_buf, v_buf, layer, batch.attn_metadata)
+        if isinstance(batch.attn_metadata, _PartlyMirrored):
+            part = batch.attn_metadata
+            out = torch.empty_like(q)  # [B, heads, head_dim]
+            m = part.mirrored
+            held = self._decode_mirrored(q.index_select(0, m), k.index_select(0, m), v.index_select(0, m), k_buf,
+                                         v_buf, layer, part.plan)
+            out.index_copy_(0, m, held.view(-1, hq, d))
+            for g in part.groups:
+                assert g.out_index is not None
+                out.index_copy_(0, g.out_index, self._group(q, k_buf, v_buf, layer, g))
+            return out.reshape(-1, hq * d)
         groups: list[_Group] = batch.attn_metadata
         if len(groups) == 1:
             out = self._group(q, k_buf, v_buf, layer, groups[0])

@@ -213,19 +213,73 @@ def test_a_reused_row_or_a_skipped_step_refills_the_lane(dims: tuple[int, int, i
 
 
 def test_over_budget_falls_back_to_the_gather_path_and_frees_the_mirror() -> None:
+    """A request no lane budget holds attends from the pages; alone, the mirror frees itself."""
     sim = Sim(seed=3)
     per_token = LAYERS * 2 * KV_HEADS * D * 4
     mirror, gather = TorchAttentionBackend(decode_mirror_bytes=8 * 64 * per_token), TorchAttentionBackend()
     rows = [sim.admit(30) for _ in range(4)]
     check(sim.step(rows, [mirror, gather]))
     assert mirror.mirror is not None and mirror.mirror.nbytes() > 0
-    rows.append(sim.admit(100))  # S_cap 64 -> 128: 8 lanes x 128 tokens is over the budget
-    outs = sim.step(rows, [mirror, gather])
-    check(outs)
+    long_row = sim.admit(100)  # S_cap 64 -> 128: 8 lanes x 128 tokens is over the budget
+    check(sim.step([long_row], [mirror, gather]))  # not even one lane of it fits: all from the pages
     assert mirror.mirror.nbytes() == 0 and mirror.mirror.lanes_in_use == 0
-    sim.finish(rows.pop())  # back under budget: the mirror fills its lanes again
+    check(sim.step(rows + [long_row], [mirror, gather]))  # the short ones fit without it
+    assert mirror.mirror.lanes_in_use == len(rows) and mirror.mirror.nbytes() <= 8 * 64 * per_token
+    sim.finish(long_row)  # back under budget: every request is mirrored again
     check(sim.step(rows, [mirror, gather]))
-    assert mirror.mirror.nbytes() > 0
+    assert mirror.mirror.lanes_in_use == len(rows)
+
+
+@PATHS
+def test_a_long_request_over_budget_attends_from_the_pages_while_the_rest_stay_mirrored(
+        dims: tuple[int, int, int]) -> None:
+    """Lanes share one capacity: a long request would size all of them past the budget. It is
+    left out (the pages serve it) and the short ones keep their lanes; once it leaves, the whole
+    batch is mirrored again. Every step equals the gather path and the reference."""
+    from common.attention.torch_backend import _PartlyMirrored
+
+    sim = Sim(seed=7, dims=dims)
+    heads, kv_heads, d = dims
+    per_token = LAYERS * 2 * kv_heads * d * 4
+    # 16 lanes x 64 keys fit; 16 lanes x 192 do not, 8 lanes x 64 with one at 130 do not either.
+    budget = 16 * 64 * per_token
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=budget), TorchAttentionBackend()
+    calls = native_calls(mirror, dims)
+    live = [sim.admit(n) for n in (5, 20, 33, 40, 9, 12, 30, 3, 17)]
+    check(sim.step(live, [mirror, gather]))
+    assert isinstance(mirror_plan(sim, mirror, live), MirrorPlan)
+    long_row = sim.admit(130)
+    live.insert(4, long_row)
+    partial = 0
+    for step in range(6):
+        order = live[:]
+        if step % 2:
+            sim.rng.shuffle(order)
+        meta = mirror_plan(sim, mirror, order)
+        check(sim.step(order, [mirror, gather]))
+        assert isinstance(meta, _PartlyMirrored)
+        assert order.index(long_row) not in meta.mirrored.tolist() and len(meta.mirrored) == len(order) - 1
+        partial += 1
+        assert mirror.mirror.nbytes() <= budget
+    live.remove(long_row)
+    sim.finish(long_row)
+    check(sim.step(live, [mirror, gather]))
+    assert isinstance(mirror_plan(sim, mirror, live), MirrorPlan) and partial == 6
+    assert calls[0] == (8 * LAYERS if dims[2] % 16 == 0 else 0)
+
+
+def mirror_plan(sim: Sim, backend: TorchAttentionBackend, order: list[int]) -> object:
+    """What the backend would plan for this batch now (a dry run on a throwaway copy of the
+    mirror's state would change it, so plan on the real one: the next step plans the same)."""
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    prefix = [sim.lens[r] for r in order]
+    table = sim.rows.table
+    batch = ForwardBatch(ForwardMode.DECODE, t([0] * len(order)), t(prefix), table[t(order), t(prefix)].long(), t(order),
+                         t([p + 1 for p in prefix]), t(prefix), t([1] * len(order)), table, sim.pool,
+                         [p + 1 for p in prefix], prefix, [1] * len(order), rows_cpu=list(order),
+                         row_epochs=[sim.rows.epoch[r] for r in order])
+    backend.init_forward_metadata(batch)
+    return batch.attn_metadata
 
 
 def test_reset_after_a_failed_forward_refills_every_lane() -> None:
