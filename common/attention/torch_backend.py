@@ -25,8 +25,8 @@ DECODE batches skip the gather: ``decode_mirror.py`` keeps each decoding request
 contiguous across steps and attention reads it in place (the same keys and values; in float32
 on CPU our C++ kernel, ``common/kernels``, or where it is not built two batched matmuls instead of
 SDPA; each equal to SDPA up to rounding). The gather path stays for
-EXTEND, for tables the runner did not build, and for batches the mirror's memory budget does not
-cover.
+EXTEND, for tables the runner did not build, and for the requests of a batch the mirror's memory
+budget does not cover: the longest are left out first (``_PartlyMirrored``), the rest keep their lanes.
 """
 from __future__ import annotations
 
