@@ -256,7 +256,7 @@ class DecodeMirror:
                 if self.blocked:
                     full, rest = divmod(n, KEY_BLOCK)
                     hk, d = keys.shape[1:]
-                    if full:  # [full * 16, hk, d] -> [hk, full, d, 16]
+                    if full:  # [full * KEY_BLOCK, hk, d] -> [hk, full, d, KEY_BLOCK]
                         mk[lane, :, :full] = keys[: full * KEY_BLOCK].view(full, KEY_BLOCK, hk, d).permute(2, 0, 3, 1)
                     if rest:
                         mk[lane, :, full, :, :rest] = keys[full * KEY_BLOCK:].permute(1, 2, 0)
@@ -267,7 +267,7 @@ class DecodeMirror:
 
     def whole(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's whole buffers, [L_cap, kv_heads, head_dim, S_cap] (blocked: [L_cap,
-        kv_heads, S_cap / 16, head_dim, 16]) and [L_cap, kv_heads, S_cap, head_dim] (after
+        kv_heads, S_cap / 64, head_dim, 64]) and [L_cap, kv_heads, S_cap, head_dim] (after
         ``layer_kv`` of this step): the native kernel takes them with the lanes' lengths instead of
         views."""
         return self._k[layer_id], self._v[layer_id]

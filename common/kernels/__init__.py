@@ -143,7 +143,7 @@ class DecodeAttention:
                  num_lanes: int, scale: float) -> torch.Tensor:
         """softmax(q K^T * scale) V of each lane's one query against its first ``lens[lane]`` keys.
         q: [B, heads, head_dim] float32; mirror_k: [L_cap, kv_heads, head_dim, S_cap] (plain) or
-        [L_cap, kv_heads, S_cap / 16, head_dim, 16] (blocked) and mirror_v: [L_cap, kv_heads, S_cap,
+        [L_cap, kv_heads, S_cap / 64, head_dim, 64] (blocked) and mirror_v: [L_cap, kv_heads, S_cap,
         head_dim], the mirror's whole (contiguous) buffers; lens: [B] int32. Returns [B, heads, head_dim]."""
         q = q.contiguous()
         _, heads, dim = q.shape
@@ -164,7 +164,7 @@ class DecodeAttention:
 
 def key_dims(mirror_k: torch.Tensor) -> tuple[int, int]:
     """(head_dim, S_cap) of a decode mirror's whole key buffer, plain [L, kv_heads, head_dim, S_cap]
-    or blocked [L, kv_heads, S_cap / 16, head_dim, 16] (attention.h)."""
+    or blocked [L, kv_heads, S_cap / 64, head_dim, 64] (attention.h)."""
     if mirror_k.dim() == 5:
         return mirror_k.shape[3], mirror_k.shape[2] * mirror_k.shape[4]
     return mirror_k.shape[2], mirror_k.shape[3]

@@ -18,6 +18,8 @@
 //   lens [B]                               keys of each row's lane, 1 .. s_cap
 // Plain keys are one block of s_cap positions: either way a block is [head_dim, width] and the
 // blocks of a head follow each other.
+// Row b of q and out reads lane lanes[b] of k and v (lane b when there is no lane table).
+// Query head h reads KV head h / (heads / kv_heads), the HF and SGLang convention.
 //
 // Why blocked keys: a score block walks head_dim rows of a few vectors each. Plain, those are
 // head_dim short stretches s_cap apart, more streams than the hardware prefetchers follow, so the
@@ -41,7 +43,7 @@
 namespace pdc::attention {
 
 // Software prefetch (a hint: no fault even past a buffer's end) of the value row PREFETCH_ROWS
-// ahead, and of plain keys (score_block_ahead).
+// ahead, and of plain keys (score_block's AHEAD).
 constexpr int PREFETCH_ROWS = 16;
 
 constexpr int KEY_BLOCK = 64;  // positions per block of blocked keys (4 vectors)
@@ -139,12 +141,11 @@ inline void scores_of(const float* q, int dim, const float* kt, int64_t ldk, boo
         constexpr int W = KEY_BLOCK / VW;
         for (int b0 = 0; b0 < nvec; b0 += W) {
             const float* kb = kt + static_cast<int64_t>(b0 / W) * dim * KEY_BLOCK;  // one [dim, KEY_BLOCK] block
-            int j = 0;
-            if (nvec - b0 >= W) {
+            if (nvec - b0 >= W)
                 score_block<GB, W>(q, dim, kb, KEY_BLOCK, b0 * VW, scores, lds);
-                continue;
-            }
-            for (; b0 + j < nvec; j++) score_block<GB, 1>(q, dim, kb + j * VW, KEY_BLOCK, (b0 + j) * VW, scores, lds);
+            else  // the last, partly used block: a vector at a time
+                for (int j = 0; b0 + j < nvec; j++)
+                    score_block<GB, 1>(q, dim, kb + j * VW, KEY_BLOCK, (b0 + j) * VW, scores, lds);
         }
         return;
     }
