@@ -118,40 +118,39 @@ class DecodeMirror:
         takes the mirror; the requests left out attend from the pages (``TorchAttentionBackend``),
         instead of the whole batch gathering every step."""
         seq = batch.seq_lens_cpu
-        longest_first = sorted(range(len(seq)), key=lambda i: -seq[i])
-        for k in range(len(seq)):
-            keep = sorted(longest_first[k:])
-            s = max(seq[i] for i in keep)
-            if self._fits(len(keep), s, fresh=False):
-                break
-            if self._fits(len(keep), s, fresh=True):
-                self.reset()  # smaller buffers than the ones held: start them again
-                break
-        else:
-            self.reset()
-            return None
-        plan = self._plan_rows(batch, keep)
-        return None if plan is None else (plan, keep)
+        keep = list(range(len(seq)))
+        if not self._fits(len(keep), max(seq), fresh=False):  # the common case needs no sorting
+            longest_first = sorted(keep, key=lambda i: -seq[i])
+            for k in range(len(seq)):
+                keep = sorted(longest_first[k:])
+                s = max(seq[i] for i in keep)
+                if self._fits(len(keep), s, fresh=False):
+                    break
+                if self._fits(len(keep), s, fresh=True):
+                    self.reset()  # smaller buffers than the ones held: start them again
+                    break
+            else:
+                self.reset()
+                return None
+        return self._plan_rows(batch, keep), keep
+
+    def _caps(self, lanes: int, s: int, fresh: bool) -> tuple[int, int]:
+        """(lanes, S) capacities that hold lanes x s: the ones held, grown, or grown from nothing."""
+        lanes_cap, s_cap = (0, 0) if fresh else (self._lanes_cap, self._s_cap)
+        return max(lanes_cap, _grow(lanes_cap, lanes, 8)), max(s_cap, _grow(s_cap, s, _S_ALIGN))
 
     def _fits(self, lanes: int, s: int, fresh: bool) -> bool:
-        """Whether lanes x s fits the budget, at the capacities held (grown) or from nothing."""
-        lanes_cap, s_cap = (0, 0) if fresh else (self._lanes_cap, self._s_cap)
-        lanes_cap = max(lanes_cap, _grow(lanes_cap, lanes, 8))
-        s_cap = max(s_cap, _grow(s_cap, s, _S_ALIGN))
+        """Whether the capacities for lanes x s stay within the budget."""
+        lanes_cap, s_cap = self._caps(lanes, s, fresh)
         return lanes_cap * s_cap * sum(self._token_bytes.values()) <= self.budget_bytes
 
-    def _plan_rows(self, batch: ForwardBatch, index: list[int]) -> MirrorPlan | None:
-        """The plan for the batch requests at ``index`` (lanes in that order), or None over budget."""
+    def _plan_rows(self, batch: ForwardBatch, index: list[int]) -> MirrorPlan:
+        """The plan for the batch requests at ``index`` (lanes in that order), which ``_fits``."""
         rows = [batch.rows_cpu[i] for i in index]
         epochs = [batch.row_epochs[i] for i in index]
         seq = [batch.seq_lens_cpu[i] for i in index]
         n, s = len(rows), max(seq)
-        lanes_cap = max(self._lanes_cap, _grow(self._lanes_cap, n, 8))
-        s_cap = max(self._s_cap, _grow(self._s_cap, s, _S_ALIGN))
-        if lanes_cap * s_cap * sum(self._token_bytes.values()) > self.budget_bytes:
-            self.reset()
-            return None
-        self._lanes_cap, self._s_cap = lanes_cap, s_cap
+        self._lanes_cap, self._s_cap = self._caps(n, s, fresh=False)
         moves = self._drop_absent(set(rows))
         fills: list[tuple[int, torch.Tensor]] = []
         lanes: list[int] = []

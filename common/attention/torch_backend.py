@@ -141,11 +141,11 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, decode_mirror_bytes: int = 0, cpu: bool = True) -> None:
         """``decode_mirror_bytes``: memory the decode mirror may hold; 0 turns it off. ``cpu``: the
         model runs on the CPU, where float32 decode over the mirror runs our C++ kernel."""
-        self.mirror = DecodeMirror(decode_mirror_bytes) if decode_mirror_bytes > 0 else None
         # None: not on CPU, no mirror, or the kernel did not build (torch ops then).
-        self.native_decode = kernels.decode_attention() if self.mirror is not None and cpu else None
-        if self.mirror is not None:
-            self.mirror.blocked_keys = self.native_decode is not None  # the kernel's fast key layout
+        self.native_decode = kernels.decode_attention() if decode_mirror_bytes > 0 and cpu else None
+        # Keys in the kernel's fast layout where it reads them.
+        self.mirror = (DecodeMirror(decode_mirror_bytes, blocked_keys=self.native_decode is not None)
+                       if decode_mirror_bytes > 0 else None)
         # Causal prefill and extend on CPU in float32 (SDPA where it did not build, or elsewhere).
         self.native_prefill = kernels.prefill_attention() if cpu else None
 
