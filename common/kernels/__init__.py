@@ -226,14 +226,25 @@ class Linear:
         self._fn = fn
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] float32 -> [ceil(N / BLOCK), K, BLOCK], the columns past N zero."""
+    def packed_numel(cls, n: int, k: int) -> int:
+        """Elements of an [n, k] weight's packed copy (its columns padded to whole blocks)."""
+        return -(-n // cls.BLOCK) * cls.BLOCK * k
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """weight [N, K] float32 -> [ceil(N / BLOCK), K, BLOCK], the columns past N zero. ``out``: a
+        contiguous buffer of ``packed_numel`` elements to pack into (a slice of one arena for all of
+        a model's projections, ``common.models.linear.pack_linears``), else a buffer of its own."""
         n, k = weight.shape
         blocks = -(-n // cls.BLOCK)
         padded = weight.new_zeros(blocks * cls.BLOCK, k)
         padded[:n] = weight
         # Streamed whole every decode step: in 2-MiB pages (common/hugepages.py says why).
-        packed = hugepages.zeros((blocks, k, cls.BLOCK), weight.dtype)
+        if out is None:
+            packed = hugepages.zeros((blocks, k, cls.BLOCK), weight.dtype)
+        else:
+            assert out.is_contiguous() and out.numel() == blocks * k * cls.BLOCK and out.dtype == weight.dtype
+            packed = out.view(blocks, k, cls.BLOCK)
         packed.copy_(padded.view(blocks, cls.BLOCK, k).transpose(1, 2))
         return packed
 

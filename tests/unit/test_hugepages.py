@@ -42,3 +42,37 @@ def test_packed_weights_live_in_huge_pages() -> None:
     assert blocked.blocks.data_ptr() % hugepages.HUGE_PAGE == 0
     x = torch.randn(3, 576)
     torch.testing.assert_close(blocked(x, None), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(kernels.linear() is None, reason="no C++ compiler for the native kernel")
+def test_a_models_packed_projections_share_one_arena_of_huge_pages() -> None:
+    # One buffer for all: each in its own would leave tails (and a whole 1.3-MB projection) in small pages.
+    from torch import nn
+
+    from common.models.linear import pack_linears
+
+    class Layer(nn.Module):
+        PACKED_LINEARS = ("a", "b", "c")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(100, 576), requires_grad=False)  # 100 columns: padded to 128
+            self.b = nn.Parameter(torch.randn(576, 576), requires_grad=False)  # 1.3 MB, under a huge page
+            self.c = nn.Parameter(torch.randn(2000, 576), requires_grad=False)
+
+    model = nn.Sequential(Layer(), Layer())
+    plain = {name: p.clone() for name, p in model.named_parameters()}
+    kernel = kernels.linear()
+    assert pack_linears(model, native=kernel) == 6
+    blocked = [getattr(layer, n) for layer in model for n in Layer.PACKED_LINEARS]
+    assert all(isinstance(w, BlockedWeight) for w in blocked) and not list(model.parameters())
+    first = blocked[0].blocks.data_ptr()
+    assert first % hugepages.HUGE_PAGE == 0
+    ends = [first]  # back to back, in model order
+    for w in blocked:
+        assert w.blocks.data_ptr() == ends[-1]
+        ends.append(w.blocks.data_ptr() + w.blocks.numel() * 4)
+    x = torch.randn(5, 576)
+    for i, layer in enumerate(model):
+        for n in Layer.PACKED_LINEARS:
+            torch.testing.assert_close(getattr(layer, n)(x, None), x @ plain[f"{i}.{n}"].T, rtol=1e-4, atol=1e-4)
