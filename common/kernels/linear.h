@@ -41,7 +41,14 @@ constexpr int MC = MC_ROWS;  // rows per pass over the weights: their inputs sta
 // 12.8 at 256 (one thread, AMD EPYC Zen 5; oneDNN's packed kernel: 18.1-18.6 ms). That was with
 // the weights in 4-KiB pages. In 2-MiB pages (common/hugepages.py, where the packed weights live)
 // 64 ahead is best: 8 rows 11.0 ms (38.6 GB/s) against 11.6 at 128; one row 10.5 either way.
+// Into L2, not L1 (prefetcht1, locality 2): at 8 rows the FMAs and the weights' stream are both
+// near their limits, and (our reading) a prefetch into L1 holds one of its few miss buffers until the line comes. On
+// an AMD EPYC Zen 4 (27 GB/s, 111 GFLOP/s on one thread) 8 rows took 19.0 ms into L1 and 16.3
+// into L2 (89 -> 104 GFLOP/s), 12 rows 25.8 -> 23.0, 32 rows 64.5 -> 61.4, one row the same
+// (14.8-15.1); prefill unchanged. Into L2, distances of 64-192 k were alike at 8 rows; 256 and 384
+// cost one row 20-60 %. prefetchnta was as slow as L1 (docs/BENCHMARKS.md, "Prefetch into L2, one arena for the weights").
 constexpr int PREFETCH_K = 64;
+constexpr int PREFETCH_LOCALITY = 2;
 
 // Rows [0, R) of x times one weight block, into columns [0, cols) of y (cols < NB: the last block).
 template <int R>
@@ -51,8 +58,8 @@ inline void tile(const float* x, int64_t ldx, const float* wb, int64_t K, const 
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vf{};
     for (int64_t k = 0; k < K; k++) {
         const float* w = wb + k * NB;
-        __builtin_prefetch(w + PREFETCH_K * NB);
-        __builtin_prefetch(w + PREFETCH_K * NB + VW);
+        __builtin_prefetch(w + PREFETCH_K * NB, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(w + PREFETCH_K * NB + VW, 0, PREFETCH_LOCALITY);
         vf w0 = load(w), w1 = load(w + VW);
         for (int r = 0; r < R; r++) {
             vf xr = splat(x[r * ldx + k]);
