@@ -6,7 +6,7 @@ keeps them, one buffer per layer so that, as in a real step, a layer's keys come
 not from the cache the previous layer left. Per shape: the median of ``--repeat`` passes over all
 the layers (after one warm-up), and the K and V bytes read per second, to set against
 ``bench_limits``' read bandwidth. The kernel runs on both key layouts (decode_mirror.py): plain
-transposed keys, and keys in blocks of 16 positions (what a node's mirror holds for the kernel).
+transposed keys, and keys in blocks of 64 positions (what a node's mirror holds for the kernel).
 
     python -m common.tools.bench_decode_attention [--heads 9 --kv-heads 3 --head-dim 64]
         [--lanes 8,32] [--keys 175,400] [--layers 30] [--repeat 15] [--threads 1]
@@ -42,7 +42,7 @@ def run_shape(heads: int, kv_heads: int, dim: int, lanes: int, keys: int, layers
     """ms over all layers and GB/s of K+V read, for the torch ops and (if built) the kernel."""
     s_cap = -(-keys // 64) * 64
     mk = [torch.randn(lanes, kv_heads, dim, s_cap) for _ in range(layers)]
-    w = KEY_BLOCK  # the same keys in blocks: [lanes, kv_heads, s_cap / 16, dim, 16]
+    w = KEY_BLOCK  # the same keys in blocks: [lanes, kv_heads, s_cap / KEY_BLOCK, dim, KEY_BLOCK]
     mk_blocked = [k.view(lanes, kv_heads, dim, s_cap // w, w).permute(0, 1, 3, 2, 4).contiguous() for k in mk]
     mv = [torch.randn(lanes, kv_heads, s_cap, dim) for _ in range(layers)]
     q = torch.randn(lanes, heads, dim)

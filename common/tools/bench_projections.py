@@ -4,7 +4,8 @@ plain ones.
 
 The shapes are a checkpoint's (its config.json: q/k/v fused, o, gate/up fused and down per layer,
 as the llama family's layers hold them), the weights random, one copy per layer so that, as in a
-decode step, each layer's weights come from memory. Per row count: the median of ``--repeat``
+decode step, each layer's weights come from memory, packed as a node packs them (``pack_linears``:
+ours in one arena of 2-MiB pages). Per row count: the median of ``--repeat``
 passes over every projection (after one warm-up), GB/s of weights read and GFLOP/s, for each
 layout, and the ratio of each to our kernel.
 
@@ -21,9 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from common import kernels
-from common.models.linear import BlockedWeight, linear
+from common.models.linear import linear, pack_linears
 
 
 def projection_shapes(config: dict) -> list[tuple[int, int]]:
@@ -37,19 +39,25 @@ def projection_shapes(config: dict) -> list[tuple[int, int]]:
     return layer * config["num_hidden_layers"]
 
 
+class _Projection(nn.Module):
+    PACKED_LINEARS = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
 def _weights(layout: str, shapes: list[tuple[int, int]]) -> list:
-    out = []
-    for n, k in shapes:
-        w = torch.randn(n, k) * 0.02
-        if layout == "native":
-            kernel = kernels.linear()
-            assert kernel is not None
-            out.append(BlockedWeight(w, kernel))
-        elif layout == "packed":
-            out.append(torch.ops.mkldnn._reorder_linear_weight(w))
-        else:
-            out.append(w)
-    return out
+    """Random weights of these shapes in one layout, packed as a node packs them (``pack_linears``:
+    ours all in one arena of huge pages, oneDNN's each reordered)."""
+    model = nn.ModuleList(_Projection(torch.randn(n, k) * 0.02) for n, k in shapes)
+    if layout == "native":
+        kernel = kernels.linear()
+        assert kernel is not None
+        pack_linears(model, native=kernel)
+    elif layout == "packed":
+        pack_linears(model)
+    return [m.weight for m in model]
 
 
 def main(argv: list[str] | None = None) -> int:
