@@ -42,11 +42,12 @@ constexpr int MC = MC_ROWS;  // rows per pass over the weights: their inputs sta
 // the weights in 4-KiB pages. In 2-MiB pages (common/hugepages.py, where the packed weights live)
 // 64 ahead is best: 8 rows 11.0 ms (38.6 GB/s) against 11.6 at 128; one row 10.5 either way.
 // Into L2, not L1 (prefetcht1, locality 2): at 8 rows the FMAs and the weights' stream are both
-// near their limits, and (our reading) a prefetch into L1 holds one of its few miss buffers until the line comes. On
-// an AMD EPYC Zen 4 (27 GB/s, 111 GFLOP/s on one thread) 8 rows took 19.0 ms into L1 and 16.3
-// into L2 (89 -> 104 GFLOP/s), 12 rows 25.8 -> 23.0, 32 rows 64.5 -> 61.4, one row the same
-// (14.8-15.1); prefill unchanged. Into L2, distances of 64-192 k were alike at 8 rows; 256 and 384
-// cost one row 20-60 %. prefetchnta was as slow as L1 (docs/BENCHMARKS.md, "Prefetch into L2, one arena for the weights").
+// near their limits, and (our reading) a prefetch into L1 holds one of L1's few miss buffers until
+// its line comes. On an AMD EPYC Zen 4 (27 GB/s, 111 GFLOP/s on one thread) 8 rows took 19.0 ms
+// into L1 and 16.3 into L2 (89 -> 104 GFLOP/s), 12 rows 25.8 -> 23.0, 32 rows 64.5 -> 61.4, one
+// row the same (14.8-15.1); prefill unchanged. Into L2, distances of 64-192 k were alike at 8
+// rows; 256 and 384 cost one row 20-60 %. prefetchnta was as slow as L1 (docs/BENCHMARKS.md,
+// "Prefetch into L2, one arena for the weights"). Not yet measured on Zen 5.
 constexpr int PREFETCH_K = 64;
 constexpr int PREFETCH_LOCALITY = 2;
 
