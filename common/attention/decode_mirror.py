@@ -118,20 +118,22 @@ class DecodeMirror:
         takes the mirror; the requests left out attend from the pages (``TorchAttentionBackend``),
         instead of the whole batch gathering every step."""
         seq = batch.seq_lens_cpu
-        keep = list(range(len(seq)))
-        if not self._fits(len(keep), max(seq), fresh=False):  # the common case needs no sorting
-            longest_first = sorted(keep, key=lambda i: -seq[i])
-            for k in range(len(seq)):
-                keep = sorted(longest_first[k:])
-                s = max(seq[i] for i in keep)
-                if self._fits(len(keep), s, fresh=False):
-                    break
-                if self._fits(len(keep), s, fresh=True):
-                    self.reset()  # smaller buffers than the ones held: start them again
-                    break
-            else:
-                self.reset()
-                return None
+        n = len(seq)
+        if self._fits(n, max(seq), fresh=False):  # the common case needs no sorting
+            keep = list(range(n))
+            return self._plan_rows(batch, keep), keep
+        longest_first = sorted(range(n), key=lambda i: -seq[i])
+        for k in range(n):  # leave out the k longest: the rest need n - k lanes of the (k+1)-th's length
+            lanes, s = n - k, seq[longest_first[k]]
+            if k > 0 and self._fits(lanes, s, fresh=False):
+                break
+            if self._fits(lanes, s, fresh=True):
+                self.reset()  # smaller buffers than the ones held: start them again
+                break
+        else:
+            self.reset()
+            return None
+        keep = sorted(longest_first[k:])
         return self._plan_rows(batch, keep), keep
 
     def _caps(self, lanes: int, s: int, fresh: bool) -> tuple[int, int]:

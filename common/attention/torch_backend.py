@@ -155,23 +155,24 @@ class TorchAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         ext, seq = batch.extend_lens_cpu, batch.seq_lens_cpu
+        planned = None
+        if self.mirror is not None and batch.mode is ForwardMode.DECODE and len(batch.rows_cpu) == batch.batch_size:
+            planned = self.mirror.plan_within_budget(batch)
+            if planned is not None and len(planned[1]) == len(seq):
+                batch.attn_metadata = planned[0]  # the usual decode step: wholly mirrored
+                return
         starts = [0] * len(ext)
         for i in range(1, len(ext)):
             starts[i] = starts[i - 1] + ext[i - 1]
-        if self.mirror is not None and batch.mode is ForwardMode.DECODE and len(batch.rows_cpu) == batch.batch_size:
-            planned = self.mirror.plan_within_budget(batch)
-            if planned is not None:
-                plan, mirrored = planned
-                if len(mirrored) == len(seq):
-                    batch.attn_metadata = plan
-                    return
-                held = set(mirrored)
-                rest = [i for i in range(len(seq)) if i not in held]
-                groups = [[rest[j] for j in g] for g in plan_groups([ext[i] for i in rest], [seq[i] for i in rest])]
-                batch.attn_metadata = _PartlyMirrored(
-                    plan, torch.tensor(mirrored, dtype=torch.int64, device=batch.req_pool_indices.device),
-                    [_plan_group(g, batch, starts, False) for g in groups])
-                return
+        if planned is not None:
+            plan, mirrored = planned
+            held = set(mirrored)
+            rest = [i for i in range(len(seq)) if i not in held]
+            groups = [[rest[j] for j in g] for g in plan_groups([ext[i] for i in rest], [seq[i] for i in rest])]
+            batch.attn_metadata = _PartlyMirrored(
+                plan, torch.tensor(mirrored, dtype=torch.int64, device=batch.req_pool_indices.device),
+                [_plan_group(g, batch, starts, False) for g in groups])
+            return
         groups = plan_groups(ext, seq)
         whole = len(groups) == 1
         batch.attn_metadata = [_plan_group(g, batch, starts, whole) for g in groups]
@@ -195,19 +196,22 @@ class TorchAttentionBackend(AttentionBackend):
             held = self._decode_mirrored(q.index_select(0, m), k.index_select(0, m), v.index_select(0, m), k_buf,
                                          v_buf, layer, part.plan)
             out.index_copy_(0, m, held.view(-1, hq, d))
-            for g in part.groups:
-                assert g.out_index is not None
-                out.index_copy_(0, g.out_index, self._group(q, k_buf, v_buf, layer, g))
+            self._groups_into(out, q, k_buf, v_buf, layer, part.groups)
             return out.reshape(-1, hq * d)
         groups: list[_Group] = batch.attn_metadata
         if len(groups) == 1:
             out = self._group(q, k_buf, v_buf, layer, groups[0])
         else:
             out = torch.empty_like(q)  # [T, heads, head_dim]
-            for g in groups:
-                assert g.out_index is not None
-                out.index_copy_(0, g.out_index, self._group(q, k_buf, v_buf, layer, g))
+            self._groups_into(out, q, k_buf, v_buf, layer, groups)
         return out.reshape(-1, hq * d)
+
+    def _groups_into(self, out: torch.Tensor, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     layer: AttentionLayerSpec, groups: list[_Group]) -> None:
+        """Each group's attention into its rows of ``out`` [T, heads, head_dim]."""
+        for g in groups:
+            assert g.out_index is not None
+            out.index_copy_(0, g.out_index, self._group(q, k_buf, v_buf, layer, g))
 
     def _decode_mirrored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                          v_buf: torch.Tensor, layer: AttentionLayerSpec, plan: MirrorPlan) -> torch.Tensor:
