@@ -82,17 +82,10 @@ inline void tile(const float* x, int64_t ldx, const float* wb, int64_t K, const 
         for (int c = 0; c < cols; c++) y[r * ldy + c] = c < VW ? acc[r][0][c] : acc[r][1][c - VW];
 }
 
-inline void rows(const float* x, int64_t ldx, int64_t m, const float* wb, int64_t K, const float* bias, float* y,
-                 int64_t ldy, int cols) {
-    // A last tile of one or two rows runs at FMA latency, not throughput (2-4 chains of sums): it
-    // joins the tile before it instead (12 + 1 -> 13, 30 layers of SmolLM2's projections: 15.1 ->
-    // 12.4 ms at 13 rows, 15.2 -> 13.0 at 14, 25.3 -> 22.6 at 25).
-    const int64_t full = m > MR && m % MR <= 2 ? m / MR - 1 : m / MR;
-    int64_t r = 0;
-    for (int64_t t = 0; t < full; t++, r += MR) tile<MR>(x + r * ldx, ldx, wb, K, bias, y + r * ldy, ldy, cols);
-    const float* xr = x + r * ldx;
-    float* yr = y + r * ldy;
-    switch (m - r) {
+// Rows [0, n) in one tile of n rows (n <= 14 with AVX-512, 11 without).
+inline void tile_rows(const float* xr, int64_t ldx, int64_t n, const float* wb, int64_t K, const float* bias,
+                      float* yr, int64_t ldy, int cols) {
+    switch (n) {
 #ifdef __AVX512F__
         case 14: tile<14>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
         case 13: tile<13>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
@@ -111,6 +104,34 @@ inline void rows(const float* x, int64_t ldx, int64_t m, const float* wb, int64_
         case 1: tile<1>(xr, ldx, wb, K, bias, yr, ldy, cols); break;
         default: break;
     }
+}
+
+// A last tile this short runs below the FMAs' throughput, so it shares with the tile before it.
+// One or two rows (2-4 chains of sums, bound by FMA latency) join it: 12 + 1 -> 13, 30 layers of
+// SmolLM2's projections: 15.1 -> 12.4 ms at 13 rows, 15.2 -> 13.0 at 14, 25.3 -> 22.6 at 25. With
+// AVX-512, three or four rows (a tile re-reading the block from L2 with few sums per weight load)
+// split the rows with the tile before: 12 + 4 -> 8 + 8. AMD EPYC Zen 4, one thread: 16 rows 33.4
+// -> 30.8 ms, 15 rows 31.3 -> 29.1, 28 rows 55.8 -> 53.4, 40 rows 79.4 -> 75.6; 17-26 and 29-39
+// rows were the same or slower split evenly, so only these move (docs/BENCHMARKS.md, "Short last
+// tiles"). AVX2 keeps 8-row tiles with 1-2 rows joined, as measured before.
+#ifdef __AVX512F__
+constexpr int SPLIT_LAST_UP_TO = 4;
+#else
+constexpr int SPLIT_LAST_UP_TO = 2;
+#endif
+
+inline void rows(const float* x, int64_t ldx, int64_t m, const float* wb, int64_t K, const float* bias, float* y,
+                 int64_t ldy, int cols) {
+    const int64_t rem = m % MR;
+    const int64_t full = m > MR && rem > 0 && rem <= SPLIT_LAST_UP_TO ? m / MR - 1 : m / MR;
+    int64_t r = 0;
+    for (int64_t t = 0; t < full; t++, r += MR) tile<MR>(x + r * ldx, ldx, wb, K, bias, y + r * ldy, ldy, cols);
+    if (m - r > MR + 2) {  // MR + 3 or MR + 4 rows left: two tiles of about half each
+        const int64_t h = (m - r + 1) / 2;
+        tile_rows(x + r * ldx, ldx, h, wb, K, bias, y + r * ldy, ldy, cols);
+        r += h;
+    }
+    tile_rows(x + r * ldx, ldx, m - r, wb, K, bias, y + r * ldy, ldy, cols);
 }
 
 // The whole product, output blocks split over `num_threads` OpenMP threads.

@@ -104,7 +104,8 @@ def test_native_linear_equals_f_linear_for_any_row_count(out_features: int, in_f
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Our kernel over its blocked layout: output columns in whole blocks of 32 and a last partial
     one, row counts around its 12-row tile (8 without AVX-512) and 128-row pass, a bias, strided and
-    3-D inputs; and a row's result is the same, to the bit, alone and inside any batch."""
+    3-D inputs; a short last tile shared with the one before (16 -> 8 + 8, 28 -> 12 + 8 + 8 with
+    AVX-512); and a row's result is the same, to the bit, alone and inside any batch."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     torch.manual_seed(out_features + in_features)
     w, b = torch.randn(out_features, in_features), torch.randn(out_features)
@@ -112,7 +113,7 @@ def test_native_linear_equals_f_linear_for_any_row_count(out_features: int, in_f
     assert kernel is not None
     blocked = BlockedWeight(w, kernel)
     assert blocked.shape == w.shape and blocked.blocks.shape == (-(-out_features // 32), in_features, 32)
-    for rows in (1, 3, 7, 8, 9, 10, 11, 12, 13, 14, 16, 24, 25, 26, 33, 127, 128, 129, 300):
+    for rows in (1, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24, 25, 26, 27, 28, 33, 40, 127, 128, 129, 300):
         x = torch.randn(rows, in_features)
         torch.testing.assert_close(linear(x, blocked, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x, blocked), x @ w.T, rtol=1e-5, atol=1e-5)
@@ -127,6 +128,10 @@ def test_native_linear_equals_f_linear_for_any_row_count(out_features: int, in_f
     together = linear(batch, blocked, b)
     for i in (0, 11, 12, 30, 36):
         assert torch.equal(linear(batch[i:i + 1], blocked, b), together[i:i + 1])
+    for rows in (16, 28):  # the last rows split between two tiles
+        together = linear(batch[:rows], blocked, b)
+        for i in (0, rows // 2 - 1, rows // 2, rows - 1):
+            assert torch.equal(linear(batch[i:i + 1], blocked, b), together[i:i + 1])
 
 
 @needs_compiler
