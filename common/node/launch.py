@@ -390,6 +390,8 @@ def run_node(cfg: NodeConfig, api_cfg: ApiConfig, part: RolePart, *,
                                                       "scheduler_pid": info["pid"], "cpu": info["cpu"],
                                                       "tp_size": cfg.parallel.tp_size,
                                                       "scheduler_rank_pids": info["rank_pids"],
+                                                      # start-up's objects, out of the collector's walk
+                                                      "gc_frozen_objects": info["gc_frozen_objects"],
                                                       # where its KV events are published (docs/PROTOCOL.md §7)
                                                       **({"kv_events": info["kv_events"]} if "kv_events" in info else {}),
                                                       # its core board, when it shares cores (common/cpu_share.py)
