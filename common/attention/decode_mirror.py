@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import hugepages
 from common.engine.forward_batch import ForwardBatch
 
 _S_ALIGN = 64  # S_cap grows in steps of at least this (and doubles), so growth is rare
@@ -241,7 +242,7 @@ class DecodeMirror:
     def _sync(self, layer_id: int, plan: MirrorPlan, k_buf: torch.Tensor,
               v_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's buffers, with the plan's moves and fills applied (once per step)."""
-        mk, mv = self._buffers(layer_id, k_buf)
+        mk, mv = self._buffers(layer_id, k_buf, plan.moves)
         if layer_id not in plan.done_layers:
             plan.done_layers.add(layer_id)
             for src, dst, length in plan.moves:
@@ -273,8 +274,10 @@ class DecodeMirror:
         views."""
         return self._k[layer_id], self._v[layer_id]
 
-    def _buffers(self, layer_id: int, k_buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's buffers at the planned capacity (grown, keeping their lanes, if needed)."""
+    def _buffers(self, layer_id: int, k_buf: torch.Tensor,
+                 moves: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's buffers at the planned capacity (grown, keeping their lanes and the lanes
+        this step's ``moves`` read, if needed)."""
         mk = self._k.get(layer_id)
         if mk is not None and mk.shape[0] >= self._lanes_cap and self._v[layer_id].shape[2] >= self._s_cap:
             return mk, self._v[layer_id]
@@ -284,20 +287,38 @@ class DecodeMirror:
                             and self._s_cap % KEY_BLOCK == 0)
         k_shape = ((self._lanes_cap, hk, self._s_cap // KEY_BLOCK, d, KEY_BLOCK) if self.blocked
                    else (self._lanes_cap, hk, d, self._s_cap))
-        new_k = torch.zeros(k_shape, dtype=k_buf.dtype, device=k_buf.device)
-        new_v = torch.zeros((self._lanes_cap, hk, self._s_cap, d), dtype=k_buf.dtype, device=k_buf.device)
-        if mk is not None:
+        v_shape = (self._lanes_cap, hk, self._s_cap, d)
+        new_k, new_v = _zeros(k_shape, k_buf), _zeros(v_shape, k_buf)
+        if mk is not None:  # the filled positions move over, nothing else is touched
             old_v = self._v[layer_id]
-            lanes, s = old_v.shape[0], old_v.shape[2]
-            if self.blocked:
-                new_k[:lanes, :, : s // KEY_BLOCK] = mk
-            else:
-                new_k[:lanes, :, :, :s] = mk
-            new_v[:lanes, :, :s] = old_v
+            keep = {lane: length - 1 for lane, length in enumerate(self._len)}  # filled before this step's token
+            for src, _, length in moves:  # a lane this step's moves read: not in use any more, still needed
+                keep[src] = max(keep.get(src, 0), length)
+            for lane, length in keep.items():
+                length = min(max(length, 0), old_v.shape[2])
+                if lane >= old_v.shape[0] or length == 0:
+                    continue
+                if self.blocked:
+                    blocks = -(-length // KEY_BLOCK)
+                    new_k[lane, :, :blocks] = mk[lane, :, :blocks]
+                else:
+                    new_k[lane, :, :, :length] = mk[lane, :, :, :length]
+                new_v[lane, :, :length] = old_v[lane, :, :length]
         self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
         self._k[layer_id], self._v[layer_id] = new_k, new_v
         self.generation += 1
         return new_k, new_v
+
+
+def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A zero buffer of ``like``'s dtype and device; on the CPU from a fresh mapping in small pages
+    (``common.hugepages.zeros``): zero without being written, so growing the mirror costs only what
+    its lanes hold, not the whole capacity (``torch.zeros`` of 8 lanes x 2112 positions of
+    SmolLM2's shape, 778 MB, took 1.6 s on a Zen 4 KVM guest: one decode step, every stream
+    stalled, when a 2048-token request joined)."""
+    if like.device.type == "cpu":
+        return hugepages.zeros(shape, like.dtype, huge=False)
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
 def _grow(cap: int, need: int, align: int) -> int:

@@ -194,6 +194,24 @@ def test_blocked_keys_without_the_kernel_fill_move_append_and_copy_out_exactly()
 
 
 @PATHS
+def test_growth_in_the_step_a_lane_moves_keeps_every_lane(dims: tuple[int, int, int]) -> None:
+    """Growing copies only the filled positions of each lane, and of the lanes this step's moves
+    read (the last lane, moving into a finished request's hole, is no longer in use when the new
+    buffers are made): a finish, a move and an S_cap growth in one step, then more steps."""
+    sim = Sim(seed=7, dims=dims)
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()
+    native_calls(mirror, dims)
+    a, b, c = sim.admit(10), sim.admit(20), sim.admit(62)
+    for _ in range(2):  # c attends 63, then 64 keys: S_cap 64
+        check(sim.step([a, b, c], [mirror, gather]))
+    assert mirror.mirror is not None and mirror.mirror.whole(0)[1].shape[2] == 64
+    sim.finish(a)  # c's lane (the last) moves into a's, and c's 65 keys grow S_cap to 128
+    for _ in range(3):
+        check(sim.step([b, c], [mirror, gather]))
+    assert mirror.mirror.whole(0)[1].shape[2] == 128 and mirror.mirror.lanes_in_use == 2
+
+
+@PATHS
 def test_a_reused_row_or_a_skipped_step_refills_the_lane(dims: tuple[int, int, int]) -> None:
     sim = Sim(seed=2, dims=dims)
     mirror, gather = TorchAttentionBackend(decode_mirror_bytes=64 << 20), TorchAttentionBackend()

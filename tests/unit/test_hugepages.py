@@ -30,6 +30,23 @@ def test_a_view_keeps_the_mapping_alive_after_the_tensor_goes() -> None:
     assert tail.tolist() == [7.0] * 4
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_small_page_buffer_takes_memory_only_where_written() -> None:
+    """``huge=False`` (the decode mirror's buffers): zero everywhere, and what is never written
+    never becomes resident, so growing a sparsely filled buffer costs only what it holds."""
+    before = _resident_bytes()
+    t = hugepages.zeros((64, 1 << 20), torch.float32, huge=False)  # 256 MiB
+    assert t.shape == (64, 1 << 20) and t.is_contiguous() and t.dtype == torch.float32
+    for row in range(0, 64, 8):
+        t[row, :1024] = 1.0  # 4 KiB in each of 8 rows
+    assert t.sum().item() == 8 * 1024  # the rest reads as zero
+    assert _resident_bytes() - before < 32 << 20, "the unwritten pages became resident"
+
+
 def test_a_small_buffer_is_a_plain_tensor() -> None:
     t = hugepages.zeros((16, 16), torch.float32)
     assert t.shape == (16, 16) and t.dtype == torch.float32
