@@ -21,8 +21,11 @@ Lanes live as long as their request keeps decoding:
 
 A lane is trusted only while its request row keeps the same *epoch* (bumped by every row
 allocation, so a row reused by another request never inherits a lane) and its length is exactly
-the step's prefix: anything else refills it. Memory is bounded: once ``lanes x S_cap`` would
-exceed the budget the mirror frees itself and the backend gathers as before.
+the step's prefix: anything else refills it. Memory is bounded by what is resident: on the CPU the
+buffers are lazily zeroed mappings in small pages, so a lane holds memory for the positions
+written into it, not for the capacity its lanes share (``plan_within_budget``); past the budget
+the longest requests are left out (they attend from the pages), and when not even one fits the
+mirror frees itself and the backend gathers as before.
 
 Why keys are stored transposed: a decode step's scores are, per lane and KV head, a product of
 the few query rows of that head (the GQA group) with S keys. MKL's batched product read keys
@@ -44,6 +47,7 @@ blocked mirror hands them a plain copy (``plain_keys``), which only a layer the 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +58,9 @@ from common.engine.forward_batch import ForwardBatch
 _S_ALIGN = 64  # S_cap grows in steps of at least this (and doubles), so growth is rare
 KEY_BLOCK = 64  # positions per key block of a blocked mirror (attention.h's KEY_BLOCK; S_cap is a multiple)
 _VECTOR = 16  # floats per kernel vector: the kernel takes head_dim in whole vectors
+# Address space the (lazily zeroed) buffers may map, as a multiple of the budget on what is
+# resident: capacities are shared by every lane, so they run ahead of what lanes hold.
+_ADDRESS_FACTOR = 8
 
 
 @dataclass
@@ -88,6 +95,10 @@ class DecodeMirror:
         self._row_of: list[int] = []  # lane -> request row (len = lanes in use)
         self._epoch: list[int] = []  # lane -> epoch of its row when filled
         self._len: list[int] = []  # lane -> positions filled
+        # lane -> positions of its buffers ever written (a lane a shorter request took over keeps
+        # the longer one's pages): what is resident of a lazily zeroed mirror
+        self._touched: list[int] = []
+        self._lazy = True  # buffers resident only where written (CPU); on a GPU they are whole
         self._token_bytes: dict[int, int] = {}  # layer id -> K+V bytes of one token (known once it ran)
         self.generation = 0  # bumped whenever a buffer is allocated or freed (pointers into them go stale)
 
@@ -105,7 +116,7 @@ class DecodeMirror:
         self.generation += 1
         self._lanes_cap = self._s_cap = 0
         self._lane_of.clear()
-        self._row_of, self._epoch, self._len = [], [], []
+        self._row_of, self._epoch, self._len, self._touched = [], [], [], []
 
     # -- planning (once per decode batch) -----------------------------------------------------
 
@@ -114,22 +125,26 @@ class DecodeMirror:
         indices it covers (in the plan's row order), the longest requests left out first; None
         when not even one fits.
 
-        Why: lanes share one capacity, so one long request among many short ones sizes every lane
-        to its length (16 lanes x 2176 keys of SmolLM2's shape: 1.6 GB). Without it the batch
-        takes the mirror; the requests left out attend from the pages (``TorchAttentionBackend``),
-        instead of the whole batch gathering every step."""
+        The budget bounds what is resident. On the CPU the buffers are lazily zeroed mappings
+        (``_zeros``), so a lane takes memory for the positions written into it, not for the
+        shared capacity: one long request among many short ones sizes every lane's capacity to its
+        length (16 lanes x 2176 keys of SmolLM2's shape: 1.6 GB of address space) but makes
+        resident only its own keys and theirs. The capacities are bounded too, at
+        ``_ADDRESS_FACTOR`` x the budget (1 x on a GPU, where buffers are whole). Requests left out
+        attend from the pages (``TorchAttentionBackend``); a mirror whose resident pages (lanes that
+        once held longer requests keep theirs) would pass the budget starts again from nothing
+        when the batch alone fits."""
         seq = batch.seq_lens_cpu
         n = len(seq)
-        if self._fits(n, max(seq), fresh=False):  # the common case needs no sorting
+        if self._fits(batch, range(n), fresh=False):  # the common case needs no sorting
             keep = list(range(n))
             return self._plan_rows(batch, keep), keep
         longest_first = sorted(range(n), key=lambda i: -seq[i])
-        for k in range(n):  # leave out the k longest: the rest need n - k lanes of the (k+1)-th's length
-            lanes, s = n - k, seq[longest_first[k]]
-            if k > 0 and self._fits(lanes, s, fresh=False):
+        for k in range(n):  # leave out the k longest
+            if k > 0 and self._fits(batch, longest_first[k:], fresh=False):
                 break
-            if self._fits(lanes, s, fresh=True):
-                self.reset()  # smaller buffers than the ones held: start them again
+            if self._fits(batch, longest_first[k:], fresh=True):
+                self.reset()  # fresh buffers: only what this batch holds becomes resident
                 break
         else:
             self.reset()
@@ -137,15 +152,40 @@ class DecodeMirror:
         keep = sorted(longest_first[k:])
         return self._plan_rows(batch, keep), keep
 
+    def resident_bytes(self) -> int:
+        """The mirror's memory in use: written positions (whole key blocks) on the CPU, the whole
+        buffers on a GPU."""
+        if not self._lazy:
+            return self.nbytes()
+        return sum(_blocks(t) for t in self._touched) * sum(self._token_bytes.values())
+
     def _caps(self, lanes: int, s: int, fresh: bool) -> tuple[int, int]:
         """(lanes, S) capacities that hold lanes x s: the ones held, grown, or grown from nothing."""
         lanes_cap, s_cap = (0, 0) if fresh else (self._lanes_cap, self._s_cap)
         return max(lanes_cap, _grow(lanes_cap, lanes, 8)), max(s_cap, _grow(s_cap, s, _S_ALIGN))
 
-    def _fits(self, lanes: int, s: int, fresh: bool) -> bool:
-        """Whether the capacities for lanes x s stay within the budget."""
-        lanes_cap, s_cap = self._caps(lanes, s, fresh)
-        return lanes_cap * s_cap * sum(self._token_bytes.values()) <= self.budget_bytes
+    def _fits(self, batch: ForwardBatch, index: Sequence[int], fresh: bool) -> bool:
+        """Whether lanes for the batch requests at ``index`` stay within the budget: their
+        capacities within ``_ADDRESS_FACTOR`` x it, and (CPU) the positions resident after this
+        step within it, an upper bound (a new request is counted whole, though it may take over a
+        lane's written pages)."""
+        per_token = sum(self._token_bytes.values())
+        if not per_token or not index:
+            return True
+        seq = batch.seq_lens_cpu
+        lanes_cap, s_cap = self._caps(len(index), max(seq[i] for i in index), fresh)
+        if not self._lazy:
+            return lanes_cap * s_cap * per_token <= self.budget_bytes
+        if lanes_cap * s_cap * per_token > _ADDRESS_FACTOR * self.budget_bytes:
+            return False
+        if fresh:
+            return sum(_blocks(seq[i]) for i in index) * per_token <= self.budget_bytes
+        resident = sum(_blocks(t) for t in self._touched)
+        for i in index:
+            lane = self._lane_of.get(batch.rows_cpu[i])
+            held = self._touched[lane] if lane is not None and lane < len(self._touched) else 0
+            resident += _blocks(max(held, seq[i])) - _blocks(held)
+        return resident * per_token <= self.budget_bytes
 
     def _plan_rows(self, batch: ForwardBatch, index: list[int]) -> MirrorPlan:
         """The plan for the batch requests at ``index`` (lanes in that order), which ``_fits``."""
@@ -155,6 +195,8 @@ class DecodeMirror:
         n, s = len(rows), max(seq)
         self._lanes_cap, self._s_cap = self._caps(n, s, fresh=False)
         moves = self._drop_absent(set(rows))
+        for _, dst, length in moves:
+            self._touch(dst, length)
         fills: list[tuple[int, torch.Tensor]] = []
         lanes: list[int] = []
         for row, epoch, length in zip(rows, epochs, seq):
@@ -169,6 +211,7 @@ class DecodeMirror:
                 self._epoch[lane] = epoch
                 fills.append((lane, batch.req_to_token[row, : length - 1].long()))
             self._len[lane] = length  # the forward appends the new token
+            self._touch(lane, length)
             lanes.append(lane)
         dev = batch.req_pool_indices.device
         lanes_t = torch.tensor(lanes, dtype=torch.int64)
@@ -186,6 +229,12 @@ class DecodeMirror:
             to_lane=None if to_lane is None else to_lane.to(dev),
             from_lane=None if in_order else lanes_t.to(dev),
             lane_lens=torch.tensor(seq_by_lane, dtype=torch.int32), mask=mask, bias=None, fills=fills, moves=moves, done_layers=set())
+
+    def _touch(self, lane: int, length: int) -> None:
+        """This step writes positions 0 .. length - 1 of ``lane`` (at most)."""
+        if lane >= len(self._touched):
+            self._touched.extend([0] * (lane + 1 - len(self._touched)))
+        self._touched[lane] = max(self._touched[lane], length)
 
     def _drop_absent(self, present: set[int]) -> list[tuple[int, int, int]]:
         """Free the lanes of rows not in this batch; the last lane fills each hole."""
@@ -304,6 +353,11 @@ class DecodeMirror:
                 else:
                     new_k[lane, :, :, :length] = mk[lane, :, :, :length]
                 new_v[lane, :, :length] = old_v[lane, :, :length]
+        # Resident in the new buffers: what the lanes in use hold after this step, and the moves' sources.
+        self._touched = list(self._len)
+        for src, _, length in moves:
+            self._touch(src, length)
+        self._lazy = k_buf.device.type == "cpu"
         self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
         self._k[layer_id], self._v[layer_id] = new_k, new_v
         self.generation += 1
@@ -319,6 +373,12 @@ def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     if like.device.type == "cpu":
         return hugepages.zeros(shape, like.dtype, huge=False)
     return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+
+def _blocks(positions: int) -> int:
+    """Positions rounded up to whole key blocks: what a lane's writes make resident (a block of
+    keys, 64 x head_dim floats, spans whole pages; values to the same length are close enough)."""
+    return -(-positions // KEY_BLOCK) * KEY_BLOCK
 
 
 def _grow(cap: int, need: int, align: int) -> int:

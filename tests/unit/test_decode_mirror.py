@@ -234,56 +234,65 @@ def test_over_budget_falls_back_to_the_gather_path_and_frees_the_mirror() -> Non
     """A request no lane budget holds attends from the pages; alone, the mirror frees itself."""
     sim = Sim(seed=3)
     per_token = LAYERS * 2 * KV_HEADS * D * 4
-    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=8 * 64 * per_token), TorchAttentionBackend()
-    rows = [sim.admit(30) for _ in range(4)]
+    budget = 4 * 64 * per_token  # 256 positions resident, capacities up to 8x that
+    mirror, gather = TorchAttentionBackend(decode_mirror_bytes=budget), TorchAttentionBackend()
+    rows = [sim.admit(30) for _ in range(4)]  # 4 x 64 resident: the budget
     check(sim.step(rows, [mirror, gather]))
     assert mirror.mirror is not None and mirror.mirror.nbytes() > 0
-    long_row = sim.admit(100)  # S_cap 64 -> 128: 8 lanes x 128 tokens is over the budget
+    long_row = sim.admit(300)  # 320 resident: over the budget alone
     check(sim.step([long_row], [mirror, gather]))  # not even one lane of it fits: all from the pages
     assert mirror.mirror.nbytes() == 0 and mirror.mirror.lanes_in_use == 0
     check(sim.step(rows + [long_row], [mirror, gather]))  # the short ones fit without it
-    assert mirror.mirror.lanes_in_use == len(rows) and mirror.mirror.nbytes() <= 8 * 64 * per_token
+    assert mirror.mirror.lanes_in_use == len(rows) and mirror.mirror.resident_bytes() <= budget
     sim.finish(long_row)  # back under budget: every request is mirrored again
     check(sim.step(rows, [mirror, gather]))
     assert mirror.mirror.lanes_in_use == len(rows)
 
 
 @PATHS
-def test_a_long_request_over_budget_attends_from_the_pages_while_the_rest_stay_mirrored(
-        dims: tuple[int, int, int]) -> None:
-    """Lanes share one capacity: a long request would size all of them past the budget. It is
-    left out (the pages serve it) and the short ones keep their lanes; once it leaves, the whole
-    batch is mirrored again. Every step equals the gather path and the reference."""
+def test_a_long_request_keeps_its_lane_while_what_is_resident_fits(dims: tuple[int, int, int]) -> None:
+    """Lanes share one capacity, the longest request's, but on the CPU only written positions are
+    resident: a long request among short ones keeps its lane while their keys fit the budget,
+    though the capacities are past it, so the step stays whole (the native kernel's). A request
+    whose keys would pass the budget is left out (the pages serve it) while the rest keep their
+    lanes; once it leaves, the whole batch is mirrored again. Every step equals the gather path
+    and the reference."""
     from common.attention.torch_backend import _PartlyMirrored
 
     sim = Sim(seed=7, dims=dims)
     heads, kv_heads, d = dims
     per_token = LAYERS * 2 * kv_heads * d * 4
-    # 16 lanes x 64 keys fit; 16 lanes x 192 do not, 8 lanes x 64 with one at 130 do not either.
-    budget = 16 * 64 * per_token
+    budget = 16 * 64 * per_token  # 1024 positions resident
     mirror, gather = TorchAttentionBackend(decode_mirror_bytes=budget), TorchAttentionBackend()
     calls = native_calls(mirror, dims)
-    live = [sim.admit(n) for n in (5, 20, 33, 40, 9, 12, 30, 3, 17)]
+    live = [sim.admit(n) for n in (5, 20, 33, 40, 9, 12, 30, 3, 17)]  # 9 x 64 resident
     check(sim.step(live, [mirror, gather]))
     assert isinstance(mirror_plan(sim, mirror, live), MirrorPlan)
-    long_row = sim.admit(130)
+    long_row = sim.admit(130)  # + 192 resident; capacities 16 lanes x 192 positions, 3x the budget
     live.insert(4, long_row)
-    partial = 0
-    for step in range(6):
+    for step in range(3):
+        order = live[:]
+        if step % 2:
+            sim.rng.shuffle(order)
+        assert isinstance(mirror_plan(sim, mirror, order), MirrorPlan)
+        check(sim.step(order, [mirror, gather]))
+    assert mirror.mirror is not None and mirror.mirror.nbytes() > budget >= mirror.mirror.resident_bytes()
+    longer = sim.admit(400)  # + 448 resident: past the budget with the others
+    live.insert(2, longer)
+    for step in range(4):
         order = live[:]
         if step % 2:
             sim.rng.shuffle(order)
         meta = mirror_plan(sim, mirror, order)
         check(sim.step(order, [mirror, gather]))
         assert isinstance(meta, _PartlyMirrored)
-        assert order.index(long_row) not in meta.mirrored.tolist() and len(meta.mirrored) == len(order) - 1
-        partial += 1
-        assert mirror.mirror.nbytes() <= budget
-    live.remove(long_row)
-    sim.finish(long_row)
+        assert order.index(longer) not in meta.mirrored.tolist() and len(meta.mirrored) == len(order) - 1
+        assert mirror.mirror.resident_bytes() <= budget
+    live.remove(longer)
+    sim.finish(longer)
     check(sim.step(live, [mirror, gather]))
-    assert isinstance(mirror_plan(sim, mirror, live), MirrorPlan) and partial == 6
-    assert calls[0] == (8 * LAYERS if dims[2] % 16 == 0 else 0)
+    assert isinstance(mirror_plan(sim, mirror, live), MirrorPlan)
+    assert calls[0] == (9 * LAYERS if dims[2] % 16 == 0 else 0)
 
 
 def mirror_plan(sim: Sim, backend: TorchAttentionBackend, order: list[int]) -> object:
