@@ -321,7 +321,8 @@ def freeze_startup_objects() -> int:
     shape), and a full collection walks them all: ~145 ms on one Zen 4 core, during which the loop
     runs no step and every stream on the node stalls. Full collections are rare in steady state
     but follow bursts that leave survivors; frozen, they walk only what serving made since (0.0
-    ms for the same process; docs/BENCHMARKS.md, "Short last tiles, the SLO derived again").
+    ms for the same process; docs/BENCHMARKS.md, "Short last tiles, a mirror resident only where
+    written").
     What start-up made lives as long as the process, so nothing collectable is kept.
     """
     gc.collect()
