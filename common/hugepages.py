@@ -31,7 +31,7 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
     written, and only the pages written take memory. ``huge``: from 2 MiB up the data starts on a
     2-MiB boundary, advised into huge pages (what a buffer streamed whole every step wants: the
     packed weights). ``huge=False``: small pages, for a buffer written sparsely (the decode mirror,
-    whose lanes fill a few hundred of thousands of positions): ``torch.zeros`` of the mirror's
+    whose lanes fill a few hundred of their thousands of positions): ``torch.zeros`` of the mirror's
     778 MB took 1.6 s on a KVM guest (AMD EPYC Zen 4), a stall of every stream, to write 94 MB."""
     numel = 1
     for n in shape:
@@ -40,22 +40,21 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
     if nbytes < HUGE_PAGE:
         return torch.zeros(tuple(shape), dtype=dtype)
     area = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if not huge:
-        small = getattr(mmap, "MADV_NOHUGEPAGE", None)  # where THP is "always": a first touch stays 4 KiB
-        if small is not None:
-            try:
-                area.madvise(small)
-            except OSError:
-                pass
-        return torch.frombuffer(area, dtype=torch.uint8, count=nbytes).view(dtype).view(tuple(shape))
-    view = ctypes.c_char.from_buffer(area)
-    start = (-ctypes.addressof(view)) % HUGE_PAGE
-    del view  # an exported buffer would pin the mapping past the tensor's life
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            area.madvise(advice, start, nbytes)
-        except OSError:
-            pass  # no THP in this kernel: small pages, same tensor
+    start = 0
+    if huge:
+        view = ctypes.c_char.from_buffer(area)
+        start = (-ctypes.addressof(view)) % HUGE_PAGE
+        del view  # an exported buffer would pin the mapping past the tensor's life
+    # Advice refused (no THP in this kernel): the same tensor in the kernel's default pages.
+    _advise(area, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", start, nbytes)
     flat = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
     return flat.view(dtype).view(tuple(shape))
+
+
+def _advise(area: mmap.mmap, name: str, start: int, length: int) -> None:
+    advice = getattr(mmap, name, None)
+    if advice is not None:
+        try:
+            area.madvise(advice, start, length)
+        except OSError:
+            pass

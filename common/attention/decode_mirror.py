@@ -157,7 +157,10 @@ class DecodeMirror:
         buffers on a GPU."""
         if not self._lazy:
             return self.nbytes()
-        return sum(_blocks(t) for t in self._touched) * sum(self._token_bytes.values())
+        return self._resident_positions() * sum(self._token_bytes.values())
+
+    def _resident_positions(self) -> int:
+        return sum(_blocks(t) for t in self._touched)
 
     def _caps(self, lanes: int, s: int, fresh: bool) -> tuple[int, int]:
         """(lanes, S) capacities that hold lanes x s: the ones held, grown, or grown from nothing."""
@@ -180,7 +183,7 @@ class DecodeMirror:
             return False
         if fresh:
             return sum(_blocks(seq[i]) for i in index) * per_token <= self.budget_bytes
-        resident = sum(_blocks(t) for t in self._touched)
+        resident = self._resident_positions()
         for i in index:
             lane = self._lane_of.get(batch.rows_cpu[i])
             held = self._touched[lane] if lane is not None and lane < len(self._touched) else 0
@@ -338,25 +341,21 @@ class DecodeMirror:
                    else (self._lanes_cap, hk, d, self._s_cap))
         v_shape = (self._lanes_cap, hk, self._s_cap, d)
         new_k, new_v = _zeros(k_shape, k_buf), _zeros(v_shape, k_buf)
-        if mk is not None:  # the filled positions move over, nothing else is touched
+        # What the new buffers hold after this step: the lanes in use (this step's token included:
+        # copying its stale slot is harmless, the append overwrites it) and the lanes its moves read.
+        self._touched = list(self._len)
+        for src, _, length in moves:
+            self._touch(src, length)
+        if mk is not None:  # those positions move over, nothing else is touched
             old_v = self._v[layer_id]
-            keep = {lane: length - 1 for lane, length in enumerate(self._len)}  # filled before this step's token
-            for src, _, length in moves:  # a lane this step's moves read: not in use any more, still needed
-                keep[src] = max(keep.get(src, 0), length)
-            for lane, length in keep.items():
-                length = min(max(length, 0), old_v.shape[2])
-                if lane >= old_v.shape[0] or length == 0:
-                    continue
+            for lane, length in enumerate(self._touched[: old_v.shape[0]]):
+                length = min(length, old_v.shape[2])
                 if self.blocked:
                     blocks = -(-length // KEY_BLOCK)
                     new_k[lane, :, :blocks] = mk[lane, :, :blocks]
                 else:
                     new_k[lane, :, :, :length] = mk[lane, :, :, :length]
                 new_v[lane, :, :length] = old_v[lane, :, :length]
-        # Resident in the new buffers: what the lanes in use hold after this step, and the moves' sources.
-        self._touched = list(self._len)
-        for src, _, length in moves:
-            self._touch(src, length)
         self._lazy = k_buf.device.type == "cpu"
         self._token_bytes[layer_id] = 2 * hk * d * k_buf.element_size()
         self._k[layer_id], self._v[layer_id] = new_k, new_v

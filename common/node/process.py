@@ -358,8 +358,8 @@ def run_scheduler(part: RolePart, cfg: NodeConfig, endpoints: IpcEndpoints, rank
         if ready is not None:
             ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from exc
-    frozen = freeze_startup_objects()
     try:
+        frozen = freeze_startup_objects()
         if ready is not None:
             ready.send(("ready", {"pid": os.getpid(), "cpu": cpu.as_dict(), "gc_frozen_objects": frozen,
                                   **proc.ready_info()}))
