@@ -66,3 +66,22 @@ def test_prefill_reports_model_flops_over_the_peak(tiny_qwen3: str, tmp_path: Pa
         assert row["of_peak"] == pytest.approx(row["gflops"] / 20.0)
     assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "", "--prefill", "0"]) == 2
     assert bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", ""]) == 2
+
+
+def test_a_step_that_grows_the_mirror_is_reported_apart(tiny_qwen3: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # 20 prompt tokens: the mirror's first capacity is 64 positions, so a window of 50 steps after
+    # one warm-up crosses it once; with the mirror off nothing grows.
+    out = tmp_path / "step.json"
+    args = ["--model-path", tiny_qwen3, "--batch", "2", "--context", "20", "--warmup", "1", "--steps", "50",
+            "--json", str(out)]
+    assert bench_decode_step.main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["growth_steps_ms"]) == 1
+    grew = row["growth_steps_ms"][0]
+    # ms / step is the mean of the other 49; the mean of all 50 includes the growth
+    assert row["mean_all_ms"] == pytest.approx((49 * row["ms_per_step"] + grew) / 50)
+    assert "grew the decode mirror" in capsys.readouterr().out
+    assert bench_decode_step.main([*args, "--torch-decode-mirror-mib", "0"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["growth_steps_ms"] == [] and row["mean_all_ms"] == pytest.approx(row["ms_per_step"])
