@@ -13,7 +13,8 @@ that grew the mirror is reported on its own line, see ``step_ms``); the model an
         [--steps 200] [--page-size 16] [--torch-decode-mirror-mib 1024|0] [--json PATH]
         [--limits LIMITS.json]
 
-With ``--limits`` (the ``--json`` of ``python -m common.tools.bench_limits``) each row also shows
+With ``--limits`` (the ``--json`` of ``python -m common.tools.bench_limits``, or ``measure`` to
+measure them in this process just before the steps) each row also shows
 the step's roofline, max(bytes read / bandwidth, FLOPs / peak) for the row of ``--cpu-threads``
 (common/tools/roofline.py, at the mean context of the timed steps), and the measured step over it.
 
@@ -47,12 +48,19 @@ import torch
 
 from common import host_malloc
 from common.config import AttentionConfig, CacheConfig, ConfigError, ModelConfig, NodeConfig, resolve
+from common.cpu_isa import cpu_isa
 from common.engine.driver import EngineDriver, SampleSpec
 from common.engine.model_runner import DecodeItem, ExtendChunk, ModelRunner
 from common.engine.sampler import Sampler
 from common.models import ModelLoadError
 from common.request import SamplingParams
 from common.tools import bench_limits, roofline
+
+# ``--limits measure``: bench_limits' defaults (a buffer far past the last-level cache, a product
+# long enough to reach the FMAs' peak), measured right before the steps. Why: on a shared host the
+# limits move with the neighbours' load (26.9 -> 23.8 GB/s within three hours on one Zen 4 guest),
+# and a file measured earlier turns that drift into a ratio that is not the step's.
+MEASURE_MIB, MEASURE_N, MEASURE_REPEAT = 512, 1024, 5
 
 
 @dataclass
@@ -151,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path")
-    p.add_argument("--limits", default=None, help="bench_limits --json output: report each step against its roofline")
+    p.add_argument("--limits", default=None,
+                   help="bench_limits --json output, or 'measure' (measure them first, in this process): "
+                        "report each step against its roofline")
     p.add_argument("--prefill", default="", help="comma-separated prompt lengths to time one prefill of each")
     p.add_argument("--prefill-repeat", type=int, default=5)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_decode_step: {exc}", file=sys.stderr)
         return 2
     limit_row, shape, dtype_bytes = None, None, 4
-    if cuda and not a.limits:
+    if cuda and a.limits in (None, "measure"):  # a device measures its own limits here either way
         limit_row = bench_limits.gpu_limits(a.device)
         print(f"device {torch.cuda.get_device_name(a.device)}: read {limit_row['read_gbs']:.0f} GB/s, copy (read + write) "
               f"{limit_row['copy_gbs']:.0f} GB/s, bf16 matmul {limit_row['bf16_gflops'] / 1000:.0f} TFLOP/s", flush=True)
@@ -204,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         model_cfg = json.loads((Path(a.model_path) / "config.json").read_text())
         shape = roofline.Shape.from_config(model_cfg)
         dtype_bytes = runner.kv_pool.k_buffers[0].element_size()
-    if a.limits:
+    if a.limits == "measure" and not cuda:
+        limit_row = bench_limits.measure([a.cpu_threads], MEASURE_MIB, MEASURE_N, MEASURE_REPEAT, cpu_isa()["bf16"])[0]
+        print(f"limits measured now ({a.cpu_threads} thread(s), best of {MEASURE_REPEAT}): read "
+              f"{limit_row['read_gbs']:.1f} GB/s, fp32 {limit_row['fp32_gflops']:.1f} GFLOP/s", flush=True)
+    elif a.limits and a.limits != "measure":
         try:
             limit_row = bench_limits.for_threads(bench_limits.load(a.limits), a.cpu_threads)
         except (OSError, ValueError) as exc:
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_rows(runner, a, batches, limit_row, shape, dtype_bytes, peak_gflops, rows)
     if a.json_path:
         with open(a.json_path, "w") as f:
-            json.dump({"args": vars(a), "rows": rows, "prefill": prefill_rows}, f, indent=1)
+            json.dump({"args": vars(a), "limits": limit_row, "rows": rows, "prefill": prefill_rows}, f, indent=1)
     return 0
 
 

@@ -85,3 +85,24 @@ def test_a_step_that_grows_the_mirror_is_reported_apart(tiny_qwen3: str, tmp_pat
     assert bench_decode_step.main([*args, "--torch-decode-mirror-mib", "0"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["growth_steps_ms"] == [] and row["mean_all_ms"] == pytest.approx(row["ms_per_step"])
+
+
+def test_limits_measured_in_process(tiny_qwen3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.tools.roofline import Shape, decode_bytes, decode_flops
+
+    # smaller than a real measurement (a buffer past the caches), enough to check the wiring
+    monkeypatch.setattr(bench_decode_step, "MEASURE_MIB", 32)
+    monkeypatch.setattr(bench_decode_step, "MEASURE_N", 256)
+    monkeypatch.setattr(bench_decode_step, "MEASURE_REPEAT", 1)
+    out = tmp_path / "step.json"
+    rc = bench_decode_step.main(["--model-path", tiny_qwen3, "--batch", "2", "--context", "20", "--warmup", "1",
+                                 "--steps", "4", "--limits", "measure", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    limits, (row,) = result["limits"], result["rows"]
+    assert limits["threads"] == 1 and limits["read_gbs"] > 0 and limits["fp32_gflops"] > 0
+    shape = Shape.from_config(json.loads((Path(tiny_qwen3) / "config.json").read_text()))
+    ctx = 20 + 1 + 2
+    want_ms = 1000 * max(decode_bytes(shape, 2, ctx) / (limits["read_gbs"] * 1e9),
+                         decode_flops(shape, 2, ctx) / (limits["fp32_gflops"] * 1e9))
+    assert row["roofline_ms"] == pytest.approx(want_ms)
