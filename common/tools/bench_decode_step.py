@@ -6,12 +6,12 @@ Per batch size B: B requests of ``--context`` random prompt tokens are prefilled
 then ``--warmup`` and ``--steps`` greedy decode steps run, each request's context growing by one
 token per step (as in serving: the mirror appends, the gather path re-reads everything). It
 prints ms per step and per token (the mean of the timed steps at a steady mirror capacity: a step
-that grew the mirror is reported on its own line, see ``step_ms``); the model and threads are those of a node
-(``--cpu-threads``, default 1, as ``pdcluster up`` gives each node on a 2-core box).
+that grew the mirror is reported on its own line, see ``step_ms``); the model and threads are
+those of a node (``--cpu-threads``, default 1, as ``pdcluster up`` gives each node on a 2-core box).
 
     python -m common.tools.bench_decode_step --model-path DIR [--batch 1,8,20,32] [--context 160]
         [--steps 200] [--page-size 16] [--torch-decode-mirror-mib 1024|0] [--json PATH]
-        [--limits LIMITS.json]
+        [--limits LIMITS.json|measure]
 
 With ``--limits`` (the ``--json`` of ``python -m common.tools.bench_limits``, or ``measure`` to
 measure them in this process just before the steps) each row also shows
