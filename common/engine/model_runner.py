@@ -242,10 +242,10 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         try:
             if self.native_decode is not None and self.native_decode.takes(batch):
-                hidden = self.native_decode.forward(batch)  # the whole step in one call (CPU)
+                logits = self.native_decode.logits(batch)  # the whole step in one call (CPU)
                 self.native_decode_steps += 1
-            else:
-                hidden = self.model.forward(batch)  # [B, hidden]
+                return logits
+            hidden = self.model.forward(batch)  # [B, hidden]
         except BaseException:
             self.attn_backend.reset()  # state it planned for this step was only partly written
             raise

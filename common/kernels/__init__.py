@@ -272,8 +272,8 @@ def linear() -> Linear | None:
 
 class DecodeStep:
     """``pdc_decode_step`` of decode_step.cpp: a whole decode step of a Llama-family model. The
-    caller (common/models/native_decode.py) fills ``Layer`` once per set of buffers and ``Shape``
-    once per mirror capacity."""
+    caller (common/models/native_decode.py) fills ``Layer`` once per set of buffers, ``Shape``
+    once per mirror capacity and ``Model`` once."""
 
     class Layer(ctypes.Structure):  # decode_step.cpp's ``Layer``, field for field
         _fields_ = [(name, ctypes.c_void_p) for name in (
@@ -285,13 +285,18 @@ class DecodeStep:
             "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "s_cap", "blocked_keys")),
             ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
+    class Model(ctypes.Structure):  # decode_step.cpp's ``Model``
+        _fields_ = [("embed", ctypes.c_void_p), ("embed_rows", ctypes.c_int64), ("embed_packed", ctypes.c_int64),
+                    ("inv_freq", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", ctypes.c_void_p),
+                    ("vocab", ctypes.c_int64)]
+
     MAX_HEAD_DIM = 512  # decode_step.cpp's per-head buffer
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         step = lib.pdc_decode_step
-        step.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-        step.restype = None
+        step.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        step.restype = ctypes.c_int
         scratch = lib.pdc_decode_step_scratch
         scratch.argtypes = [ptr, i64, ctypes.c_int]
         scratch.restype = i64
@@ -300,16 +305,21 @@ class DecodeStep:
     def scratch_floats(self, shape: "DecodeStep.Shape", batch: int, threads: int) -> int:
         return int(self._scratch_floats(ctypes.byref(shape), batch, threads))
 
-    def __call__(self, layers: ctypes.Array, shape: "DecodeStep.Shape", x: torch.Tensor, final_norm: torch.Tensor,
-                 cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, lanes: torch.Tensor,
-                 positions: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor, threads: int) -> torch.Tensor:
-        """x [B, hidden] float32 embeddings -> the final norm's output [B, hidden]. cos, sin_signed
-        [B, head_dim] float32; slots, lanes, positions, lens [B] int64 (all contiguous, CPU)."""
-        out = torch.empty_like(x)
-        self._step(ctypes.addressof(layers), ctypes.addressof(shape), x.shape[0], x.data_ptr(), final_norm.data_ptr(),
-                   out.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), lanes.data_ptr(),
-                   positions.data_ptr(), lens.data_ptr(), scratch.data_ptr(), threads)
-        return out
+    def __call__(self, layers: ctypes.Array, shape: "DecodeStep.Shape", model: "DecodeStep.Model", ids: torch.Tensor,
+                 slots: torch.Tensor, lanes: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                 scratch: torch.Tensor, threads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids [B] -> the final norm's output [B, hidden] and, where ``model`` has a head,
+        the logits [B, vocab] (None otherwise). slots, lanes, positions, lens [B] int64 (all
+        contiguous, CPU). Raises ValueError, nothing written, for an id outside the embedding."""
+        b = ids.shape[0]
+        out = torch.empty(b, shape.hidden, dtype=torch.float32)
+        logits = torch.empty(b, model.vocab, dtype=torch.float32) if model.head else None
+        rc = self._step(ctypes.addressof(layers), ctypes.addressof(shape), ctypes.addressof(model), b, ids.data_ptr(),
+                        slots.data_ptr(), lanes.data_ptr(), positions.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                        None if logits is None else logits.data_ptr(), scratch.data_ptr(), threads)
+        if rc != 0:
+            raise ValueError(f"decode step: a token id outside the embedding's {model.embed_rows} rows: {ids.tolist()}")
+        return out, logits
 
 
 def decode_step() -> DecodeStep | None:

@@ -9,6 +9,8 @@
 // hundred floats) and in Python (BENCHMARKS.md, "A decode step in one call"). Here those ops are
 // loops over the batch's rows, in cache, between the same two kernels (linear.h, attention.h).
 //
+// Before the first layer each row's token is looked up in the embedding (plain [vocab, hidden]
+// rows, or the packed tied head's layout, linear.h) and its RoPE angles computed from inv_freq.
 // Per layer, for the batch's B rows in batch order (res: the residual stream, x: the last
 // sublayer's output; layer 0 starts from the embeddings as its residual):
 //   res += x;  h = rms_norm(res) * input_norm
@@ -16,7 +18,11 @@
 //   k, v -> the KV pool at slots[b] (what transfer and the prefix cache read) and the mirror lane
 //   lanes[b] at positions[b];  a = attention(q, lane, lens[b] keys)
 //   res += a Wo^T (+ b);  h = rms_norm(res) * post_norm;  x = (silu(g) * u) Wdown^T, g | u = h Wgu^T
-// and after the last layer: out = rms_norm(res + x) * final_norm.
+// and after the last layer: out = rms_norm(res + x) * final_norm, and logits = out head^T where
+// the head is packed for linear.h (Python runs any other head).
+//
+// Why the ends too: the embedding lookup, the RoPE tables and the head were ~0.7 ms of torch ops
+// and calls around a one-row step of SmolLM2's shape (~18 ms): 4 %, paid at every batch size.
 //
 // Numerics: float32 as the torch path, with sums in other orders (the norms' sums of squares in
 // 16 partial sums, the kernels' as linear.h and attention.h say) and SiLU through Cephes' exp:
@@ -59,11 +65,23 @@ struct Shape {
     float eps, scale;
 };
 
+// The model's ends (common/kernels/__init__.py: DecodeStep.Model).
+struct Model {
+    const float* embed;  // [embed_rows, hidden], or packed [ceil(embed_rows / NB)][hidden][NB] (embed_packed)
+    int64_t embed_rows, embed_packed;
+    const float* inv_freq;  // [head_dim / 2] RoPE angle per position of each rotated pair
+    const float* final_norm;
+    const float* head;  // packed for linear.h, [vocab] output columns; null: the caller runs the head
+    int64_t vocab;
+};
+
 // Scratch floats of each buffer, in the order they lie in the caller's scratch.
 struct Scratch {
-    float *res, *h, *qkv, *q, *att, *tmp, *gu, *act, *attn;
+    float *cos, *sin, *res, *h, *qkv, *q, *att, *tmp, *gu, *act, *attn;
     Scratch(const Shape& s, int64_t b, float* base) {
-        res = base;
+        cos = base;
+        sin = cos + b * s.head_dim;
+        res = sin + b * s.head_dim;
         h = res + b * s.hidden;
         qkv = h + b * s.hidden;
         q = qkv + b * (s.heads + 2 * s.kv_heads) * s.head_dim;
@@ -74,7 +92,7 @@ struct Scratch {
         attn = act + b * s.inter;
     }
     static int64_t floats(const Shape& s, int64_t b, int threads) {
-        const int64_t rows = b * (3 * s.hidden + (3 * s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.inter);
+        const int64_t rows = b * (3 * s.hidden + (3 * s.heads + 2 * s.kv_heads + 2) * s.head_dim + 3 * s.inter);
         return rows + threads * (s.heads / s.kv_heads) * (s.s_cap + s.head_dim);  // attention.h's scratch
     }
 };
@@ -114,6 +132,31 @@ void norm_rope(const float* x, const float* norm, float eps, const float* cos, c
     for (int64_t i = 0; i < d; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
 }
 
+// cos and sin_signed [d] of one position: what the torch path builds (common/models/rope.py:
+// angle = float(pos) * inv_freq[i % (d/2)] in float32, cos | cos and -sin | sin), the sign of
+// rotate-half folded into sin as norm_rope takes it.
+void rope_row(int64_t pos, const float* inv_freq, int64_t d, float* cos, float* sin_signed) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float angle = static_cast<float>(pos) * inv_freq[i];
+        const float c = std::cos(angle), sn = std::sin(angle);
+        cos[i] = cos[i + half] = c;
+        sin_signed[i] = -sn;
+        sin_signed[i + half] = sn;
+    }
+}
+
+// Row `id` of the embedding: a plain row, or column id % NB of block id / NB in the packed layout.
+void embed_row(const Model& m, int64_t id, int64_t hidden, float* out) {
+    if (!m.embed_packed) {
+        std::memcpy(out, m.embed + id * hidden, sizeof(float) * hidden);
+        return;
+    }
+    constexpr int64_t NB = linear::NB;
+    const float* block = m.embed + (id / NB) * hidden * NB + id % NB;
+    for (int64_t k = 0; k < hidden; k++) out[k] = block[k * NB];
+}
+
 // act[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u, with e^-|g| so the exponent never overflows.
 void silu_mul(const float* g, const float* u, float* act, int64_t n) {
     int64_t i = 0;
@@ -134,20 +177,29 @@ extern "C" int64_t pdc_decode_step_scratch(const Shape* shape, int64_t batch, in
     return Scratch::floats(*shape, batch, num_threads < 1 ? 1 : num_threads);
 }
 
-// x_in [B, hidden]: the embeddings of the step's tokens; out [B, hidden]: the final norm's output.
-// cos, sin_signed [B, head_dim]; slots, lanes, positions, lens [B]: each row's pool slot for its new
+// ids [B]: the step's tokens; slots, lanes, positions, lens [B]: each row's pool slot for its new
 // token, its mirror lane, the token's position and the keys it attends (position + 1).
-extern "C" void pdc_decode_step(const Layer* layers, const Shape* shape, int64_t batch, const float* x_in,
-                                const float* final_norm, float* out, const float* cos, const float* sin_signed,
-                                const int64_t* slots, const int64_t* lanes, const int64_t* positions,
-                                const int64_t* lens, float* scratch, int num_threads) {
+// out [B, hidden]: the final norm's output; logits [B, vocab]: written where the model has a head.
+// Returns 0, or -1 (nothing written, the KV pool and mirror untouched) when a token id is not a row
+// of the embedding.
+extern "C" int pdc_decode_step(const Layer* layers, const Shape* shape, const Model* model, int64_t batch,
+                                const int64_t* ids, const int64_t* slots, const int64_t* lanes,
+                                const int64_t* positions, const int64_t* lens, float* out, float* logits,
+                                float* scratch, int num_threads) {
     const Shape& s = *shape;
+    const Model& m = *model;
     if (num_threads < 1) num_threads = 1;
     const int64_t H = s.hidden, d = s.head_dim, q_size = s.heads * d, kv_size = s.kv_heads * d;
     const int64_t n_qkv = q_size + 2 * kv_size, I = s.inter;
     const int64_t k_lane = s.kv_heads * d * s.s_cap, v_lane = k_lane;
     Scratch sc(s, batch, scratch);
-    std::memcpy(sc.res, x_in, sizeof(float) * batch * H);
+    for (int64_t b = 0; b < batch; b++)
+        if (ids[b] < 0 || ids[b] >= m.embed_rows) return -1;
+    const float *cos = sc.cos, *sin_signed = sc.sin;
+    for (int64_t b = 0; b < batch; b++) {
+        embed_row(m, ids[b], H, sc.res + b * H);
+        rope_row(positions[b], m.inv_freq, d, sc.cos + b * d, sc.sin + b * d);
+    }
     for (int64_t l = 0; l < s.layers; l++) {
         const Layer& L = layers[l];
         for (int64_t b = 0; b < batch; b++) {
@@ -189,6 +241,8 @@ extern "C" void pdc_decode_step(const Layer* layers, const Shape* shape, int64_t
     }
     for (int64_t b = 0; b < batch; b++) {
         add(sc.res + b * H, sc.tmp + b * H, H);
-        rms_norm(sc.res + b * H, final_norm, out + b * H, H, s.eps);
+        rms_norm(sc.res + b * H, m.final_norm, out + b * H, H, s.eps);
     }
+    if (m.head != nullptr) linear::run(out, batch, H, H, m.head, m.vocab, nullptr, logits, m.vocab, num_threads);
+    return 0;
 }

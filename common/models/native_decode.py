@@ -21,8 +21,11 @@ keeps the layer-by-layer path (with the same kernels inside) for comparison.
 
 What it shares with the layer path: the KV pool stays the truth (new K/V are written to their
 slots, as ``set_kv`` does), the mirror's lanes are brought up to date by the mirror itself
-(``DecodeMirror.prepare``: moves and fills) and then appended by the kernel, RoPE's cos/sin
-come from the model's rotary module. The numbers are the layer path's up to float32 rounding
+(``DecodeMirror.prepare``: moves and fills) and then appended by the kernel. The kernel also runs
+the step's ends: the embedding lookup, RoPE's cos/sin from the rotary module's ``inv_freq`` (the
+same float32 angles, cos and sin from the C library, within an ulp of torch's), and the head where
+it is packed for our projection kernel (``pack_lm_head``; another head runs in torch). Those were
+~0.7 ms of torch ops and calls around a one-row step of ~18 ms. The numbers are the layer path's up to float32 rounding
 (sums in other orders); tests/unit/test_native_decode.py holds the two paths together and the
 engine tests hold it to HF.
 """
@@ -40,7 +43,6 @@ from common.engine.forward_batch import ForwardBatch
 from common.kvcache.pool import KVPool
 from common.models.linear import BlockedWeight
 from common.models.llama import DecoderLayer, LlamaFamilyForCausalLM
-from common.models.rope import signed_sin
 from common.parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,14 @@ class NativeDecode:
             layers=len(layers), hidden=arch.hidden_size, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim, inter=layers[0].mlp.inter, s_cap=0, eps=arch.rms_norm_eps,
             scale=layers[0].self_attn.spec.scaling)
+        # The ends the kernel runs too: embedding lookup, RoPE angles, head (where it is packed).
+        embed, head = model.embed_tokens, model.embed_tokens if model.lm_head is None else model.lm_head
+        self._keep = (embed, head, model.rotary.inv_freq, model.norm.weight)  # what the pointers point into
+        self.model_ends = kernels.DecodeStep.Model(
+            embed=_ptr(embed), embed_rows=embed.out_features if isinstance(embed, BlockedWeight) else embed.shape[0],
+            embed_packed=int(isinstance(embed, BlockedWeight)), inv_freq=_ptr(model.rotary.inv_freq),
+            final_norm=_ptr(model.norm.weight), head=_ptr(head) if isinstance(head, BlockedWeight) else None,
+            vocab=arch.vocab_size)
         self._mirror_generation = -1  # the mirror buffers the layer table points at
         self._scratch = torch.empty(0, dtype=torch.float32)
 
@@ -114,23 +124,24 @@ class NativeDecode:
         return isinstance(batch.attn_metadata, MirrorPlan)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model's ``forward`` for a batch ``takes`` accepts: [B, hidden] after the final norm."""
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's ``forward`` and ``compute_logits`` for a batch ``takes`` accepts: [B, vocab]
+        float32 (the head in the kernel where it is packed for it, else the model's)."""
         plan = batch.attn_metadata
         assert isinstance(plan, MirrorPlan)
+        ids = batch.input_ids
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            raise ValueError(f"decode step: token ids must be contiguous int64, got {ids.dtype}")
         pool = self.kv_pool
         self.mirror.prepare(plan, pool.k_buffers, pool.v_buffers)
         self._point_at_mirror()
-        model = self.model
-        x = model.embed(batch.input_ids)  # [B, H]
-        cos, sin = model.rotary.cos_sin(batch.positions, torch.float32)  # [B, 1, d] each
         threads = max(1, torch.get_num_threads())
-        need = self.kernel.scratch_floats(self.shape, x.shape[0], threads)
+        need = self.kernel.scratch_floats(self.shape, ids.shape[0], threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        return self.kernel(self.layers, self.shape, x, model.norm.weight, cos.squeeze(1).contiguous(),
-                           signed_sin(sin).squeeze(1).contiguous(), batch.out_cache_loc, plan.lanes,
-                           batch.positions, batch.seq_lens, self._scratch, threads)
+        hidden, logits = self.kernel(self.layers, self.shape, self.model_ends, ids, batch.out_cache_loc, plan.lanes,
+                                     batch.positions, batch.seq_lens, self._scratch, threads)
+        return self.model.compute_logits(hidden) if logits is None else logits
 
     def _point_at_mirror(self) -> None:
         """Point the layer table at the mirror's current buffers (they move when it grows)."""

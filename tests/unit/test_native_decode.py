@@ -44,13 +44,13 @@ class Pair:
         self.native, self.layered = make_runner(model_dir, True), make_runner(model_dir, False)
         assert self.native.native_decode is not None
         self.steps = 0
-        forward = self.native.native_decode.forward
+        forward = self.native.native_decode.logits
 
         def counted(batch):  # type: ignore[no-untyped-def]
             self.steps += 1
             return forward(batch)
 
-        self.native.native_decode.forward = counted  # type: ignore[method-assign]
+        self.native.native_decode.logits = counted  # type: ignore[method-assign]
         self.kv: dict[int, tuple[ReqKV, ReqKV]] = {}  # request id -> its KV on each runner
         self.last: dict[int, int] = {}  # request id -> the token it feeds next
         self.vocab = self.native.arch.vocab_size
@@ -158,3 +158,30 @@ def test_whole_step_only_where_it_applies(tiny_qwen3: str, tiny_lfm2: str, monke
     assert make_runner(tiny_lfm2, True).native_decode is None  # conv layers
     monkeypatch.setenv("PDC_NATIVE_DECODE_STEP", "0")
     assert make_runner(tiny_qwen3, True).native_decode is None
+
+
+def test_head_left_to_torch_where_the_kernel_has_none(tiny_model_factory: Callable[..., str]) -> None:
+    """A model whose head the kernel does not run (``Model.head`` null): the step returns the
+    final norm's output and the model's own head makes the logits, which still match."""
+    pair = Pair(tiny_model_factory("llama"))
+    native = pair.native.native_decode
+    assert native is not None and native.model_ends.head
+    native.model_ends.head = None
+    run_schedule(pair, seed=5)
+    assert pair.steps == 24
+
+
+def test_token_outside_the_embedding_fails_the_step_and_writes_nothing(tiny_qwen3: str) -> None:
+    pair = Pair(tiny_qwen3)
+    pair.admit(0, [5, 6, 7, 8, 9], budget=8)
+    pair.step([0])
+    kv = pair.kv[0][0]
+    before = [t.clone() for t in pair.native.kv_pool.buffers()]
+    with pytest.raises(ValueError, match="outside the embedding"):
+        pair.native.decode([DecodeItem(kv.row, pair.vocab, kv.kv_len)])
+    for now, then in zip(pair.native.kv_pool.buffers(), before):
+        assert torch.equal(now, then)  # the id is checked before any K/V is written
+    pair.step([0])  # the next step refills the lane the failed one reset, and agrees again
+    pair.check_pools()
+    pair.finish(0)
+    pair.native.memory.check_integrity()
