@@ -88,6 +88,9 @@ def step_ms(runner: ModelRunner, batch: int, context: int, warmup: int, steps: i
     longest context and largest batch it sees, then no more; whether a timed window of a few dozen
     steps happens to cross a doubling (160 + 5 + 30 positions does, at 192) is not the step's cost."""
     driver, memory = EngineDriver(runner, Sampler()), runner.memory
+    # Each batch size from an empty decode mirror, as ``--batch N`` alone runs it: a mirror an
+    # earlier batch size grew keeps its larger key capacity, so a row would depend on the list.
+    runner.attn_backend.reset()
     rng = random.Random(seed)
     vocab = runner.arch.vocab_size
     greedy = SamplingParams(max_new_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)

@@ -85,6 +85,11 @@ def test_a_step_that_grows_the_mirror_is_reported_apart(tiny_qwen3: str, tmp_pat
     assert bench_decode_step.main([*args, "--torch-decode-mirror-mib", "0"]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["growth_steps_ms"] == [] and row["mean_all_ms"] == pytest.approx(row["ms_per_step"])
+    # Each batch size starts from an empty mirror: the second row crosses 64 again instead of
+    # inheriting the first's capacity (128 after its growth).
+    args[args.index("--batch") + 1] = "2,2"
+    assert bench_decode_step.main(args) == 0
+    assert [len(r["growth_steps_ms"]) for r in json.loads(out.read_text())["rows"]] == [1, 1]
 
 
 def test_limits_measured_in_process(tiny_qwen3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
