@@ -48,6 +48,14 @@ constexpr int PREFETCH_ROWS = 16;
 
 constexpr int KEY_BLOCK = 64;  // positions per block of blocked keys (4 vectors)
 
+// Lines (64 B) of a stream's start asked for before it is read: the values' while the scores are
+// still being summed into the softmax, the next (lane, KV head)'s keys as this one starts. Each item
+// is two short streams (a few dozen KB) the hardware prefetchers must find anew, with gaps between
+// lanes. 16 lines (1 KB): 30 layers, 8 lanes of 160-210 keys in a 256-position mirror in 4-KiB pages,
+// 4-7 % less time, 32 lanes 0-3 % (one thread, AMD EPYC Zen 4, in-process alternation); 4-8 KB
+// of the next item at once was 8-50 % slower (BENCHMARKS.md, "Tried on decode attention").
+constexpr int START_LINES = 16;
+
 // Scores of GB query rows against SB vectors of keys that lie side by side in their rows (within
 // one block): kb points at row 0 of the first, rows ldk floats apart; the sums go to scores
 // columns [s0, s0 + SB * VW). q rows pre-scaled, sums in registers. AHEAD (plain keys): ask for
@@ -167,6 +175,7 @@ template <int GB>
 void attend_rows(const float* q, int dim, const float* kt, int64_t ldk, bool blocked, const float* v, int64_t ldv,
                  int len, float* scores, int64_t lds, float* out) {
     scores_of<GB>(q, dim, kt, ldk, blocked, len, scores, lds);
+    for (int r = 0; r < START_LINES; r++) __builtin_prefetch(v + r * VW);
     for (int g = 0; g < GB; g++) softmax_row(scores + g * lds, len);
     values<GB>(scores, lds, v, ldv, len, out, dim);
 }
@@ -198,6 +207,11 @@ void run(const float* q, const float* k, const float* v, float* out, const int64
         const float* vh = v + lane * v_lane_stride + h * s_cap * dim;
         float* oh = out + (b * heads + h * group) * dim;
         const int len = static_cast<int>(lens[b]), d = static_cast<int>(dim);
+        if (it + 1 < items) {  // the next item's keys (START_LINES)
+            const int64_t nb = (it + 1) / kv_heads, nh = (it + 1) % kv_heads;
+            const float* next = k + (lanes == nullptr ? nb : lanes[nb]) * k_lane_stride + nh * dim * s_cap;
+            for (int r = 0; r < START_LINES; r++) __builtin_prefetch(next + r * VW);
+        }
         for (int64_t g = 0; g < group;) {
             const int64_t left = group - g;
             float* sg = scores + g * s_cap;
