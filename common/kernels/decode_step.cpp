@@ -21,8 +21,9 @@
 // and after the last layer: out = rms_norm(res + x) * final_norm, and logits = out head^T where
 // the head is packed for linear.h (Python runs any other head).
 //
-// Why the ends too: the embedding lookup, the RoPE tables and the head were ~0.7 ms of torch ops
-// and calls around a one-row step of SmolLM2's shape (~18 ms): 4 %, paid at every batch size.
+// Why the ends too: the embedding lookup, the RoPE tables and the head's own call were ~0.5 ms of
+// torch ops and calls around a one-row step of SmolLM2's shape (~18 ms); with them here the step's
+// time outside this call fell from 1.03 to 0.68 ms (BENCHMARKS.md, "The step's ends in the kernel").
 //
 // Numerics: float32 as the torch path, with sums in other orders (the norms' sums of squares in
 // 16 partial sums, the kernels' as linear.h and attention.h say) and SiLU through Cephes' exp:

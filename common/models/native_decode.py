@@ -25,7 +25,7 @@ slots, as ``set_kv`` does), the mirror's lanes are brought up to date by the mir
 the step's ends: the embedding lookup, RoPE's cos/sin from the rotary module's ``inv_freq`` (the
 same float32 angles, cos and sin from the C library, within an ulp of torch's), and the head where
 it is packed for our projection kernel (``pack_lm_head``; another head runs in torch). Those were
-~0.7 ms of torch ops and calls around a one-row step of ~18 ms. The numbers are the layer path's up to float32 rounding
+~0.5 ms of torch ops and calls around a one-row step of ~18 ms. The numbers are the layer path's up to float32 rounding
 (sums in other orders); tests/unit/test_native_decode.py holds the two paths together and the
 engine tests hold it to HF.
 """
