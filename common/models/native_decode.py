@@ -25,9 +25,9 @@ slots, as ``set_kv`` does), the mirror's lanes are brought up to date by the mir
 the step's ends: the embedding lookup, RoPE's cos/sin from the rotary module's ``inv_freq`` (the
 same float32 angles, cos and sin from the C library, within an ulp of torch's), and the head where
 it is packed for our projection kernel (``pack_lm_head``; another head runs in torch). Those were
-~0.5 ms of torch ops and calls around a one-row step of ~18 ms. The numbers are the layer path's up to float32 rounding
-(sums in other orders); tests/unit/test_native_decode.py holds the two paths together and the
-engine tests hold it to HF.
+~0.5 ms of torch ops and calls around a one-row step of ~18 ms. The numbers are the layer path's
+up to float32 rounding (sums in other orders); tests/unit/test_native_decode.py holds the two paths
+together and the engine tests hold it to HF.
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ class NativeDecode:
             head_dim=arch.head_dim, inter=layers[0].mlp.inter, s_cap=0, eps=arch.rms_norm_eps,
             scale=layers[0].self_attn.spec.scaling)
         # The ends the kernel runs too: embedding lookup, RoPE angles, head (where it is packed).
+        # (self.model keeps every tensor these pointers point into.)
         embed, head = model.embed_tokens, model.embed_tokens if model.lm_head is None else model.lm_head
-        self._keep = (embed, head, model.rotary.inv_freq, model.norm.weight)  # what the pointers point into
         self.model_ends = kernels.DecodeStep.Model(
             embed=_ptr(embed), embed_rows=embed.out_features if isinstance(embed, BlockedWeight) else embed.shape[0],
             embed_packed=int(isinstance(embed, BlockedWeight)), inv_freq=_ptr(model.rotary.inv_freq),
@@ -131,7 +131,8 @@ class NativeDecode:
         assert isinstance(plan, MirrorPlan)
         ids = batch.input_ids
         if ids.dtype != torch.int64 or not ids.is_contiguous():
-            raise ValueError(f"decode step: token ids must be contiguous int64, got {ids.dtype}")
+            raise ValueError(f"decode step: token ids must be contiguous int64, got {ids.dtype}"
+                             f"{'' if ids.is_contiguous() else ', not contiguous'}")
         pool = self.kv_pool
         self.mirror.prepare(plan, pool.k_buffers, pool.v_buffers)
         self._point_at_mirror()
