@@ -8,8 +8,9 @@
 
 Two background loops share the router's one HTTP session: every ``health_check_interval_s`` a
 ``GET /health`` to each worker (2xx = healthy; with a cluster secret the probe carries a
-challenge and only a worker that proves the secret is healthy: router/node_auth.py), and every ``load_poll_interval_s`` a
-``GET /get_load`` to each healthy one. A worker's load is the router's own in-flight count plus
+challenge and only a worker that proves the secret is healthy: router/node_auth.py), each
+worker's probe on its own so a hung one delays nobody else's; and every ``load_poll_interval_s``
+a ``GET /get_load`` to each healthy one. A worker's load is the router's own in-flight count plus
 what the node reports beyond it (requests other routers or clients sent it directly).
 """
 from __future__ import annotations
@@ -155,19 +156,19 @@ class Workers:
             log.warning("worker %s (%s) leaves rotation after %d failed probes: %s", w.url, w.role, w.failures, reason)
             w.healthy = False
 
-    async def check_health(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
-        async def one(w: Worker) -> None:
-            try:
-                reason = await challenge_probe(session, w.url, self._secret, timeout_s)
-                self.probed(w, reason is None, reason)
-            except NotProven as exc:
-                # Whatever answers at that address now is not ours: out at once, not after the
-                # threshold, so no request of ours reaches it.
-                self.mark_failed(w, str(exc))
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                self.probed(w, False, f"/health: {type(exc).__name__}: {exc}")
-
-        await asyncio.gather(*(one(w) for w in self.all()))
+    async def _probe(self, session: aiohttp.ClientSession, w: Worker, timeout_s: float) -> None:
+        try:
+            reason = await challenge_probe(session, w.url, self._secret, timeout_s)
+            self.probed(w, reason is None, reason)
+        except NotProven as exc:
+            # Whatever answers at that address now is not ours: out at once, not after the
+            # threshold, so no request of ours reaches it.
+            self.mark_failed(w, str(exc))
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self.probed(w, False, f"/health: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug here must not leave the worker unprobed for good
+            log.exception("probe of %s failed", w.url)
+            self.probed(w, False, f"/health: {type(exc).__name__}: {exc}")
 
     async def poll_load(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         async def one(w: Worker) -> None:
@@ -200,10 +201,19 @@ class Workers:
                 await asyncio.wait_for(event.wait(), seconds)
 
         async def health_loop() -> None:
+            # Each worker's probe runs on its own: a hung worker (stopped, not dead) holds only its
+            # own probe for the timeout, while the others keep the period, so a node back from a
+            # restart rejoins within one period of answering. A worker whose last probe is still
+            # in flight is skipped this round (one probe per worker at a time).
+            probes: dict[str, asyncio.Task] = {}
             while not self._stopping.is_set():
                 self.changed.clear()
-                await self.check_health(session, timeout_s)
+                probes = {url: t for url, t in probes.items() if not t.done()}
+                for w in self.all():
+                    if w.url not in probes:
+                        probes[w.url] = asyncio.create_task(self._probe(session, w, timeout_s))
                 await pause(self.changed, health_interval_s)
+            await asyncio.gather(*probes.values())  # finished, not cancelled: see stop()
 
         async def load_loop() -> None:
             while not self._stopping.is_set():

@@ -256,6 +256,44 @@ def test_stopped_workers_loops_return_after_the_probe_in_flight(monkeypatch: pyt
     assert started == finished == ["http://d:1"] and d is not None and d.failures == 1
 
 
+def test_a_hung_worker_does_not_hold_back_another_ones_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped node's probe hangs for the whole timeout; a node back from a restart must rejoin
+    within a probe period of answering, not after the hung probe's timeout."""
+    import asyncio
+
+    import router.workers as rw
+
+    up_at = 0.1  # the restarted node answers from here on
+    hang_s = 2.0  # the stopped node's probe: a timeout's worth
+
+    async def probe(session: object, url: str, secret: object, timeout_s: float) -> str | None:
+        if url == "http://hung:1":
+            await asyncio.sleep(hang_s)
+            return "timeout"
+        return None if asyncio.get_running_loop().time() - t0 >= up_at else "connection refused"
+
+    monkeypatch.setattr(rw, "challenge_probe", probe)
+
+    async def main() -> float:
+        nonlocal t0
+        ws = Workers((WorkerSpec("http://hung:1", "prefill"), WorkerSpec("http://back:1", "prefill")), 2,
+                     lambda url: None)
+        t0 = asyncio.get_running_loop().time()
+        task = asyncio.create_task(ws.run(None, 0.05, 60.0, hang_s))  # type: ignore[arg-type]
+        back = ws.get("http://back:1")
+        assert back is not None
+        while not back.healthy and asyncio.get_running_loop().time() - t0 < hang_s + 1:
+            await asyncio.sleep(0.01)
+        rejoined = asyncio.get_running_loop().time() - t0
+        ws.stop()
+        await asyncio.wait_for(task, hang_s + 1)
+        return rejoined
+
+    t0 = 0.0
+    rejoined = asyncio.run(main())
+    assert up_at <= rejoined < up_at + 0.5, rejoined  # a period or two after it answers, not hang_s
+
+
 # ---- parsing ---------------------------------------------------------------------------------------
 
 
