@@ -43,6 +43,9 @@ NODE_ENV = {"PDC_HEARTBEAT_INTERVAL_S": "0.5", "PDC_HEARTBEAT_MAX_FAILURES": "2"
 HEARTBEAT_BOUND_S = 0.5 * (2 + 1)
 QUARANTINE_S = 5.0  # the quarantine is raised to the Mooncake write timeout's 5 s floor
 REQUEST_BOUND_S = 45.0  # the router's per-request timeout: every request must end within it
+# A worker back from a fault is in rotation after one good probe: within a probe period plus a
+# probe's timeout (the router's defaults: 2 s) of answering again. Four such rounds is the bound.
+READMIT_BOUND_S = 4 * (0.5 + 2.0)
 ROUTER_ARGS = ["--health-check-interval-s", "0.5", "--health-failure-threshold", "2",
                "--request-timeout-s", str(REQUEST_BOUND_S), "--max-retries", "3", "--retry-budget-s", "30"]
 FAULTS = {"none": 0.6, "client_abort": 0.1, "disconnect": 0.1, "abort_request": 0.1, "slow_reader": 0.1}
@@ -79,6 +82,7 @@ class Report:
     max_elapsed_s: float
     wall_s: float
     openai_completed: int = 0  # completed requests that went through /v1/completions
+    readmit_s: float = 0.0  # from every node answering /health_generate to the router having them all in rotation
 
     @property
     def clean(self) -> bool:
@@ -95,7 +99,8 @@ class Report:
                   f"wrong tokens {len(self.wrong_tokens)}",
                   f"clear errors {self.outcomes['clear_error']} (slowest {self.max_error_s:.1f} s, bound {REQUEST_BOUND_S:g} s)",
                   f"unclear endings {len(self.unclear)}, slowest request {self.max_elapsed_s:.1f} s",
-                  f"nodes not back at idle: {len(self.not_idle)}, wedged: {len(self.wedged)}",
+                  f"nodes not back at idle: {len(self.not_idle)}, wedged: {len(self.wedged)}, "
+                  f"router had every node in rotation {self.readmit_s:.1f} s after they answered",
                   "CLEAN" if self.clean else "NOT CLEAN"]
         lines += [f"  wrong: {w}" for w in self.wrong_tokens[:10]] + [f"  unclear: {u}" for u in self.unclear[:10]]
         lines += [f"  not idle: {n}" for n in self.not_idle] + [f"  wedged: {w}" for w in self.wedged]
@@ -313,6 +318,17 @@ async def storm(cluster: LocalCluster, url: str, n: int, concurrency: int, seed:
     return list(outcomes), node_log
 
 
+def _wait_router_healthy(url: str, bound_s: float) -> tuple[float, list[dict]]:
+    """Seconds until the router has every worker in rotation, and the ones still out at ``bound_s``."""
+    t0 = time.monotonic()
+    while True:
+        workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
+        out = [{k: w.get(k) for k in ("url", "role", "healthy", "last_error")} for w in workers if not w["healthy"]]
+        if not out or time.monotonic() - t0 > bound_s:
+            return time.monotonic() - t0, out
+        time.sleep(0.1)
+
+
 def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: int = 0) -> Report:
     with open(f"{model_dir}/config.json") as f:
         vocab = json.load(f)["vocab_size"]
@@ -335,6 +351,11 @@ def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: i
             r = httpx.get(node.url + "/health_generate", timeout=30)
             if r.status_code != 200:
                 wedged.append(f"{node.name}: /health_generate {r.status_code} {r.text[:200]}")
+        # A node back from a fault rejoins the router's rotation at its next good probe, not at
+        # once: wait for that (bounded by a few probe rounds) before judging the router by a request.
+        readmit_s, waiting = _wait_router_healthy(url, READMIT_BOUND_S)
+        if waiting:
+            wedged.append(f"router: nodes still out of rotation {READMIT_BOUND_S:g} s after they answered: {waiting}")
         fresh = httpx.post(url + "/generate", timeout=60, json={"input_ids": pool[0][0], "sampling_params": {
             "max_new_tokens": pool[0][1], "temperature": 0, "ignore_eos": True}})
         if fresh.status_code != 200 or not matches(fresh.json()["output_ids"], *refs[0]):
@@ -360,4 +381,4 @@ def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: i
                   unclear=[f"request {o.index} ({o.fault}): {o.detail}" for o in outcomes if o.kind == "unclear"],
                   not_idle=not_idle, wedged=wedged, max_error_s=max(errors, default=0.0),
                   max_elapsed_s=max((o.elapsed_s for o in outcomes), default=0.0), wall_s=wall,
-                  openai_completed=sum(o.openai and o.kind == "completed" for o in outcomes))
+                  openai_completed=sum(o.openai and o.kind == "completed" for o in outcomes), readmit_s=readmit_s)
