@@ -8,9 +8,9 @@
 
 Two background loops share the router's one HTTP session: every ``health_check_interval_s`` a
 ``GET /health`` to each worker (2xx = healthy; with a cluster secret the probe carries a
-challenge and only a worker that proves the secret is healthy: router/node_auth.py), each
-worker's probe on its own so a hung one delays nobody else's; and every ``load_poll_interval_s``
-a ``GET /get_load`` to each healthy one. A worker's load is the router's own in-flight count plus
+challenge and only a worker that proves the secret is healthy: router/node_auth.py), and every
+``load_poll_interval_s`` a ``GET /get_load`` to each healthy one; each worker's call on its own,
+so a hung one delays nobody else's. A worker's load is the router's own in-flight count plus
 what the node reports beyond it (requests other routers or clients sent it directly).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -170,19 +170,19 @@ class Workers:
             log.exception("probe of %s failed", w.url)
             self.probed(w, False, f"/health: {type(exc).__name__}: {exc}")
 
-    async def poll_load(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
-        async def one(w: Worker) -> None:
-            at_send = w.inflight
+    async def _poll_load(self, session: aiohttp.ClientSession, w: Worker, timeout_s: float) -> None:
+        at_send = w.inflight
+        try:
+            async with session.get(w.url + "/get_load", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                body = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return  # the health loop judges liveness; a missed poll keeps the last figure
+        if isinstance(body, list) and body and isinstance(body[0], dict):
             try:
-                async with session.get(w.url + "/get_load", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                    body = await r.json(content_type=None) if r.status == 200 else None
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-                return  # the health loop judges liveness; a missed poll keeps the last figure
-            if isinstance(body, list) and body and isinstance(body[0], dict):
                 reqs = sum(int(d.get("num_reqs", 0) or 0) for d in body if isinstance(d, dict))
-                w.polled_reqs, w.inflight_at_poll = reqs, min(at_send, w.inflight)
-
-        await asyncio.gather(*(one(w) for w in self.all() if w.healthy))
+            except (TypeError, ValueError):
+                return  # not a count: keep the last figure
+            w.polled_reqs, w.inflight_at_poll = reqs, min(at_send, w.inflight)
 
     def stop(self) -> None:
         """Ask ``run`` to return: no new probe starts, the ones in flight finish (each bounded by
@@ -200,24 +200,31 @@ class Workers:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), seconds)
 
+        def each(tasks: dict[str, asyncio.Task], workers: list[Worker],
+                 call: Callable[[aiohttp.ClientSession, Worker, float], Awaitable[None]]) -> dict[str, asyncio.Task]:
+            """A call per worker, each its own task: a hung worker (stopped, not dead) holds only its
+            own call for the timeout while the others keep the period, so a node back from a
+            restart rejoins within a period of answering. A worker whose last call is still in
+            flight is skipped this round (one at a time per worker)."""
+            tasks = {url: t for url, t in tasks.items() if not t.done()}
+            for w in workers:
+                if w.url not in tasks:
+                    tasks[w.url] = asyncio.create_task(call(session, w, timeout_s))
+            return tasks
+
         async def health_loop() -> None:
-            # Each worker's probe runs on its own: a hung worker (stopped, not dead) holds only its
-            # own probe for the timeout, while the others keep the period, so a node back from a
-            # restart rejoins within one period of answering. A worker whose last probe is still
-            # in flight is skipped this round (one probe per worker at a time).
             probes: dict[str, asyncio.Task] = {}
             while not self._stopping.is_set():
                 self.changed.clear()
-                probes = {url: t for url, t in probes.items() if not t.done()}
-                for w in self.all():
-                    if w.url not in probes:
-                        probes[w.url] = asyncio.create_task(self._probe(session, w, timeout_s))
+                probes = each(probes, self.all(), self._probe)
                 await pause(self.changed, health_interval_s)
             await asyncio.gather(*probes.values())  # finished, not cancelled: see stop()
 
         async def load_loop() -> None:
+            polls: dict[str, asyncio.Task] = {}
             while not self._stopping.is_set():
-                await self.poll_load(session, timeout_s)
+                polls = each(polls, [w for w in self.all() if w.healthy], self._poll_load)
                 await pause(self._stopping, load_interval_s)
+            await asyncio.gather(*polls.values())
 
         await asyncio.gather(health_loop(), load_loop())

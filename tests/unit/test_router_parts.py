@@ -294,6 +294,57 @@ def test_a_hung_worker_does_not_hold_back_another_ones_probes(monkeypatch: pytes
     assert up_at <= rejoined < up_at + 0.5, rejoined  # a period or two after it answers, not hang_s
 
 
+def test_a_hung_worker_does_not_hold_back_another_ones_load_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load polls are per worker too: while one worker's ``/get_load`` hangs, another's figure keeps
+    its period (each poll answers how many polls it has seen, so the figure counts them)."""
+    import asyncio
+    import contextlib
+
+    import router.workers as rw
+
+    hang_s = 2.0
+    polls = {"http://hung:1": 0, "http://busy:1": 0}
+
+    async def probe(session: object, url: str, secret: object, timeout_s: float) -> None:
+        return None
+
+    class Response:
+        status = 200
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        async def json(self, content_type: object = None) -> list[dict]:
+            return [{"num_reqs": self.n}]
+
+    class Session:
+        @contextlib.asynccontextmanager
+        async def get(self, url: str, timeout: object = None):  # type: ignore[no-untyped-def]
+            worker = url.removesuffix("/get_load")
+            polls[worker] += 1
+            if worker == "http://hung:1":
+                await asyncio.sleep(hang_s)
+            yield Response(polls[worker])
+
+    monkeypatch.setattr(rw, "challenge_probe", probe)
+
+    async def main() -> Workers:
+        ws = Workers((WorkerSpec("http://hung:1", "decode"), WorkerSpec("http://busy:1", "decode")), 2,
+                     lambda url: None)
+        for w in ws.all():
+            ws.probed(w, True)
+        task = asyncio.create_task(ws.run(Session(), 60.0, 0.05, hang_s))  # type: ignore[arg-type]
+        await asyncio.sleep(0.5)
+        ws.stop()
+        await asyncio.wait_for(task, hang_s + 1)
+        return ws
+
+    ws = asyncio.run(main())
+    busy = ws.get("http://busy:1")
+    assert busy is not None and busy.polled_reqs >= 5, busy  # ~10 periods of 0.05 s in 0.5 s, not 1
+    assert polls["http://hung:1"] == 1  # one poll at a time per worker
+
+
 # ---- parsing ---------------------------------------------------------------------------------------
 
 
