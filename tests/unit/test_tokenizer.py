@@ -207,6 +207,20 @@ def test_context_ids_are_not_returned(tok: Tokenizer) -> None:
     assert text == tok.decode(prompt[-5:] + out)[len(tok.decode(prompt[-5:])) :] == " forty-two 中"
 
 
+def test_a_character_cut_at_the_prompt_answer_boundary_counts_as_the_prompt_s(tok: Tokenizer) -> None:
+    """The prompt ends on a character's first byte and the answer starts with a second one (random
+    ids do this): together they are one unfinished character, one U+FFFD, and it is the prompt's.
+    The answer's text is what it adds to ``decode(prompt + answer)``, not ``decode(answer)``, which
+    would show a U+FFFD the prompt's text already has (tests/chaos's oracle judges by this)."""
+    byte_tok = _byte_tokens(tok)
+    prompt = tok.encode("x") + [byte_tok[0xE4]]
+    answer = [byte_tok[0xB8]] + tok.encode(" ok")
+    det = IncrementalDetokenizer(tok, context_ids=prompt[-5:])
+    text = "".join(det.add([i]) for i in answer) + det.add([], FinishReason(type="length", length=len(answer)))
+    assert tok.decode(answer) == "\ufffd ok" and tok.decode(prompt) == "x\ufffd"
+    assert text == " ok" == tok.decode(prompt + answer)[len(tok.decode(prompt)):]
+
+
 class _MetaspaceWords:
     """A SentencePiece-style decoder: a word's leading space is dropped at the start of a decode."""
 
