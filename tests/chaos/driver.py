@@ -84,6 +84,7 @@ class Report:
     wall_s: float
     openai_completed: int = 0  # completed requests that went through /v1/completions
     readmit_s: float = 0.0  # from every node answering /health_generate to the router having them all in rotation
+    logs: str = ""  # the processes' log tails, kept when a node was not idle or something wedged
 
     @property
     def clean(self) -> bool:
@@ -105,6 +106,8 @@ class Report:
                   "CLEAN" if self.clean else "NOT CLEAN"]
         lines += [f"  wrong: {w}" for w in self.wrong_tokens[:10]] + [f"  unclear: {u}" for u in self.unclear[:10]]
         lines += [f"  not idle: {n}" for n in self.not_idle] + [f"  wedged: {w}" for w in self.wedged]
+        if self.logs:
+            lines.append(self.logs)
         return "\n".join(lines)
 
 
@@ -372,6 +375,8 @@ def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: i
             "max_new_tokens": pool[0][1], "temperature": 0, "ignore_eos": True}})
         if fresh.status_code != 200 or not matches(fresh.json()["output_ids"], *refs[0]):
             wedged.append(f"router: a fresh request after the storm got {fresh.status_code} {fresh.text[:200]}")
+        # What CI prints must be enough to tell why: the processes' own last lines, before they stop.
+        logs = cluster.log_tails(40) if wedged or not_idle else ""
     except BaseException:
         print(cluster.log_tails(40))
         raise
@@ -393,4 +398,5 @@ def run_chaos(model_dir: str, logdir: str, n: int, concurrency: int = 8, seed: i
                   unclear=[f"request {o.index} ({o.fault}): {o.detail}" for o in outcomes if o.kind == "unclear"],
                   not_idle=not_idle, wedged=wedged, max_error_s=max(errors, default=0.0),
                   max_elapsed_s=max((o.elapsed_s for o in outcomes), default=0.0), wall_s=wall,
-                  openai_completed=sum(o.openai and o.kind == "completed" for o in outcomes), readmit_s=readmit_s)
+                  openai_completed=sum(o.openai and o.kind == "completed" for o in outcomes), readmit_s=readmit_s,
+                  logs=logs)
