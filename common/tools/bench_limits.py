@@ -1,7 +1,8 @@
 """``python -m common.tools.bench_limits``: this machine's limits, measured with torch.
 
 Per thread count (1..the cores this process may use): memory read bandwidth (a sum over a
-float32 buffer far larger than the caches, each byte read once per pass) and matmul peak: a
+float32 buffer far larger than the caches, each byte read once per pass, in 4-KiB pages and in
+2-MiB pages, the limit being the faster of the two) and matmul peak: a
 square float32 product on each kernel torch has (``torch.mm``, i.e. MKL's sgemm, and oneDNN's
 linear over a prepacked weight, the kernel packed projections run on), the peak being the faster
 of the two; bfloat16 too when the CPU has AVX512-BF16 or AMX, where torch's oneDNN path runs it
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from common import hugepages
 from common.cpu_budget import allowed_cpus
 from common.cpu_isa import ISA_FLAGS, cpu_isa
 
@@ -40,9 +42,16 @@ def _best_s(fn: Any, repeat: int) -> float:
     return best
 
 
-def read_bandwidth(mib: int, repeat: int) -> float:
-    """Bytes/s of one pass summing a ``mib`` MiB float32 buffer."""
-    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)  # [mib MiB / 4 bytes]
+def read_bandwidth(mib: int, repeat: int, huge: bool = False) -> float:
+    """Bytes/s of one pass summing a ``mib`` MiB float32 buffer: torch's own allocation (4-KiB
+    pages), or with ``huge`` one advised into 2-MiB pages (common/hugepages.py: where the packed
+    weights live). Both count because the page size moves the answer: on a 2-vCPU AMD EPYC Zen 4
+    guest the same sum read 25.5-26.4 GB/s from small pages and 28.3-28.9 from huge ones
+    (docs/BENCHMARKS.md, "The read limit in 2-MiB pages"), and a decode step whose weights stream
+    from huge pages was being divided by the smaller figure."""
+    n = mib * 2**20 // 4
+    buf = hugepages.zeros((n,), huge=True) if huge else torch.empty(n, dtype=torch.float32)  # [mib MiB / 4 bytes]
+    buf.fill_(1.0)
     return buf.numel() * 4 / _best_s(lambda: buf.sum(), repeat)
 
 
@@ -105,7 +114,10 @@ def measure(threads: list[int], mib: int, n: int, repeat: int, bf16: bool) -> li
             torch.set_num_threads(t)
             mkl = matmul_peak(n, torch.float32, repeat) / 1e9
             onednn = onednn_peak(n, repeat)
-            row = {"threads": t, "read_gbs": read_bandwidth(mib, repeat) / 1e9, "fp32_mm_gflops": mkl}
+            small = read_bandwidth(mib, repeat) / 1e9
+            huge = read_bandwidth(mib, repeat, huge=True) / 1e9
+            row = {"threads": t, "read_gbs": max(small, huge), "read_small_pages_gbs": small,
+                   "read_huge_pages_gbs": huge, "fp32_mm_gflops": mkl}
             if onednn is not None:
                 row["fp32_onednn_gflops"] = onednn / 1e9
             row["fp32_gflops"] = max(mkl, row.get("fp32_onednn_gflops", 0.0))  # what --limits readers divide by
@@ -149,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     isa = cpu_isa()
     bf16 = isa["bf16"]
     rows = measure(threads, ns.mib, ns.n, ns.repeat, bf16)
-    head = (f"{'threads':>7} {'read GB/s':>10} {'fp32 GFLOP/s':>13} {'(mm':>8} {'oneDNN)':>8}"
+    head = (f"{'threads':>7} {'read GB/s':>10} {'(4 KiB':>7} {'2 MiB)':>7} {'fp32 GFLOP/s':>13} {'(mm':>8} {'oneDNN)':>8}"
             + (f" {'bf16 GFLOP/s':>13}" if bf16 else ""))
     print(f"# torch {torch.__version__}, {cores} cores available, bf16 instructions: {'yes' if bf16 else 'no'}, "
           f"int8 (VNNI/AMX): {'yes' if isa['int8'] else 'no'}; flags: {' '.join(f for f in ISA_FLAGS if isa[f]) or 'none'}")
     print(head)
     for r in rows:
         onednn = f"{r['fp32_onednn_gflops']:.1f}" if "fp32_onednn_gflops" in r else "-"
-        line = f"{r['threads']:>7} {r['read_gbs']:>10.1f} {r['fp32_gflops']:>13.1f} {r['fp32_mm_gflops']:>8.1f} {onednn:>8}"
+        line = (f"{r['threads']:>7} {r['read_gbs']:>10.1f} {r['read_small_pages_gbs']:>7.1f} {r['read_huge_pages_gbs']:>7.1f}"
+                f" {r['fp32_gflops']:>13.1f} {r['fp32_mm_gflops']:>8.1f} {onednn:>8}")
         print(line + (f" {r['bf16_gflops']:>13.1f}" if bf16 else ""))
     if ns.json:
         out = {"torch": torch.__version__, "cores": cores, "bf16": bf16, "isa": isa, "mib": ns.mib, "n": ns.n, "rows": rows}

@@ -17,6 +17,8 @@ def test_small_run_writes_positive_numbers(tmp_path: Path, capsys: pytest.Captur
     assert row["threads"] == 1 and row["read_gbs"] > 0 and row["fp32_gflops"] > 0
     # The peak is the faster kernel's (MKL's sgemm, oneDNN's packed linear), each reported.
     assert row["fp32_gflops"] == max(row["fp32_mm_gflops"], row.get("fp32_onednn_gflops", 0.0))
+    # The read limit is the faster page size's (torch's small pages, 2-MiB pages), each reported.
+    assert row["read_gbs"] == max(row["read_small_pages_gbs"], row["read_huge_pages_gbs"]) > 0
     assert "fp32 GFLOP/s" in capsys.readouterr().out
     assert set(data["isa"]) >= {"avx2", "bf16", "int8"} and data["bf16"] == data["isa"]["bf16"]
 
