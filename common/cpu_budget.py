@@ -5,8 +5,9 @@ a decode, plus their API processes) then each spin that many OpenMP threads agai
 on a 2-core box the cluster ran 4-12x slower than with one thread per scheduler. So:
 
     scheduler process   torch threads = --cpu-threads (or PDC_CPU_THREADS); 0/unset: the cores
-                        this process may use (os.sched_getaffinity), or those of --cpu-bind;
-                        --cpu-bind 0-3,8 also pins the process (and so its threads) to those cores
+                        this process may use (os.sched_getaffinity), or those of --cpu-bind, and
+                        on a GPU node GPU_NODE_THREADS (below); --cpu-bind 0-3,8 also pins the
+                        process (and so its threads) to those cores
     API process         one torch thread: it tokenizes and streams, it never runs the model
     launcher            `pdcluster up` / `bench --launch` divide the cores among the nodes they start
 
@@ -20,6 +21,14 @@ import os
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+# Torch threads of a GPU node's scheduler when none are asked for. Its model runs on the device;
+# what torch runs on the host is a few small tensors a step (batch indices, page tables), where
+# an OpenMP pool only adds fork/join and spinning. On an H200 host (16 cores) a decode node with a
+# pool of 16 used 30-36 CPU seconds in a 4.5-s benchmark (docs/BENCHMARKS.md, "1 prefill + 1
+# decode node on one GPU"): cores a co-located rank, the router or the transfer engine wanted.
+# vLLM's GPU workers run one intra-op thread for the same reason.
+GPU_NODE_THREADS = 1
 
 
 class CpuBudgetError(ValueError):
@@ -97,8 +106,9 @@ class CpuConfig:
                 "share": self.share or None}
 
 
-def cpu_config(threads: int | None, bind: str | None, share: str | None = None) -> CpuConfig:
-    """From the flags, falling back to PDC_CPU_THREADS / PDC_CPU_BIND / PDC_CPU_SHARE; resolved and checked."""
+def cpu_config(threads: int | None, bind: str | None, share: str | None = None, device: str = "cpu") -> CpuConfig:
+    """From the flags, falling back to PDC_CPU_THREADS / PDC_CPU_BIND / PDC_CPU_SHARE; resolved and
+    checked. ``device``: the node's resolved device; on a GPU unset threads are GPU_NODE_THREADS."""
     from common import envs
     from common.cpu_share import CoreShareError, check_group
 
@@ -110,7 +120,13 @@ def cpu_config(threads: int | None, bind: str | None, share: str | None = None) 
             check_group(share)
         except CoreShareError as exc:
             raise CpuBudgetError(str(exc)) from exc
+    if not threads and is_gpu_device(device):
+        threads = GPU_NODE_THREADS
     return CpuConfig(threads, parse_cpu_list(bind) if bind else (), share).resolved()
+
+
+def is_gpu_device(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
 
 
 def apply_scheduler_budget(cfg: CpuConfig) -> None:

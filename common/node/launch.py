@@ -53,6 +53,7 @@ from common.config import (
     ServerConfig,
     TransferConfig,
     resolve,
+    resolve_device,
 )
 from common.cpu_budget import CpuBudgetError, CpuConfig, cpu_config
 from common.http_limits import BYTES_PER_TOKEN, MIN_NODE_BODY_BYTES
@@ -129,7 +130,7 @@ def add_node_flags(p: argparse.ArgumentParser, *, port: int) -> None:
                         f"weights and its own KV heads, each with 1/N of --cpu-threads (CPU: gloo; CUDA: one GPU "
                         f"per rank, NCCL) {d}")
     p.add_argument("--cpu-threads", type=int, help="torch threads of the scheduler process (default: PDC_CPU_THREADS, "
-                   "else the cores it may use; pdcluster up divides the cores among its nodes)")
+                   "else the cores it may use, on a GPU node 1; pdcluster up divides the cores among its CPU nodes)")
     p.add_argument("--cpu-bind", help="pin the scheduler process to these cores, e.g. 0-3,8 (default: PDC_CPU_BIND; none)")
     p.add_argument("--cpu-share", metavar="GROUP",
                    help="core-share group of the nodes on this host: a decode step borrows the cores an idle "
@@ -212,7 +213,8 @@ def parallel_config(ns: argparse.Namespace) -> ParallelConfig:
 def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
     """The scheduler's CPU budget from --cpu-threads / --cpu-bind (or their env vars), resolved."""
     try:
-        return cpu_config(ns.cpu_threads, ns.cpu_bind, ns.cpu_share)
+        return cpu_config(ns.cpu_threads, ns.cpu_bind, ns.cpu_share,
+                          device=resolve_device(envs.DEVICE.get() if ns.device == "auto" else ns.device))
     except CpuBudgetError as exc:
         raise ConfigError(str(exc)) from exc
 

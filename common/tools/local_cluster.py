@@ -36,7 +36,8 @@ from typing import IO
 
 from common import envs
 from common.auth import bearer, signed_headers
-from common.cpu_budget import split_threads
+from common.config import resolve_device
+from common.cpu_budget import is_gpu_device, split_threads
 from common.ports import free_port
 
 STOP_GRACE_S = 15.0
@@ -52,6 +53,42 @@ def _per_node(tp: int | Sequence[int], count: int, what: str) -> list[int]:
     if len(tps) != count or any(t < 1 for t in tps):
         raise ValueError(f"{what}: one TP size >= 1 for each of the {count} nodes, got {tp!r}")
     return tps
+
+
+def _on_gpu(args: Sequence[str], env: dict[str, str]) -> bool:
+    """Whether a node started with ``args`` runs on a GPU: its --device, else PDC_DEVICE, resolved
+    as the node resolves it ("auto": a GPU where torch sees one)."""
+    device = env.get("PDC_DEVICE", "auto")
+    for i, a in enumerate(args):
+        if a == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif a.startswith("--device="):
+            device = a.partition("=")[2]
+    return is_gpu_device(resolve_device(device))
+
+
+def budget_args(prefill_args: Sequence[str], decode_args: Sequence[str], prefill_tps: list[int], decode_tps: list[int],
+                env: dict[str, str], share_group: str) -> tuple[list[list[str]], list[list[str]]]:
+    """Each prefill's and each decode's --tp-size and CPU budget flags. The nodes share this host's
+    cores: each scheduler rank gets its share of torch threads (a node divides its --cpu-threads
+    among its TP ranks), unless the caller chose (a flag, or PDC_CPU_THREADS in ``env``). Nodes
+    given a share also share it back: a decode step borrows what an idle prefill lends
+    (common/cpu_share.py), one ``share_group`` per cluster so two clusters never mix. A GPU node
+    takes no share: its default is one thread (common/cpu_budget.py, GPU_NODE_THREADS), and the
+    CPU nodes split the cores among themselves, with no one to share with across the roles."""
+    prefill_gpu, decode_gpu = _on_gpu(prefill_args, env), _on_gpu(decode_args, env)
+    cpu_ranks = (0 if prefill_gpu else sum(prefill_tps)) + (0 if decode_gpu else sum(decode_tps))
+    chosen = any(a.startswith("--cpu-threads") for a in (*prefill_args, *decode_args)) or "PDC_CPU_THREADS" in env
+    per_rank = split_threads(cpu_ranks) if cpu_ranks and not chosen else 0  # 0: no share given
+    share = [] if not per_rank or prefill_gpu or decode_gpu or "PDC_CPU_SHARE" in env \
+        or any(a.startswith("--cpu-share") for a in (*prefill_args, *decode_args)) else ["--cpu-share", share_group]
+
+    def own(tp: int, gpu: bool) -> list[str]:
+        if gpu or not per_rank:
+            return ["--tp-size", str(tp)]
+        return ["--tp-size", str(tp), "--cpu-threads", str(per_rank * tp), *share]
+
+    return [own(tp, prefill_gpu) for tp in prefill_tps], [own(tp, decode_gpu) for tp in decode_tps]
 
 
 def get_json(url: str, timeout_s: float = 10, headers: dict[str, str] | None = None) -> dict:
@@ -131,31 +168,17 @@ class LocalCluster:
         self._router_kind = router
         common = ["--model-path", model_path, "--host", "127.0.0.1", "--page-size", str(page_size),
                   "--disaggregation-transfer-backend", backend]
-        # The nodes share this host's cores: each scheduler rank gets its share of torch threads
-        # (a node divides its --cpu-threads among its TP ranks), unless the caller chose (a flag,
-        # or PDC_CPU_THREADS in the environment).
-        per_rank = 0  # threads per rank; 0: the caller chose
-        if not any(a.startswith("--cpu-threads") for a in (*prefill_args, *decode_args)) \
-                and "PDC_CPU_THREADS" not in {**os.environ, **self.env}:
-            per_rank = split_threads(sum(prefill_tps) + sum(decode_tps))
-
-        # Nodes given a share of the cores also share them back: a decode step borrows what an idle
-        # prefill lends (common/cpu_share.py); one group per cluster, so two clusters never mix.
-        share = [] if not per_rank or any(a.startswith("--cpu-share") for a in (*prefill_args, *decode_args)) \
-            or "PDC_CPU_SHARE" in {**os.environ, **self.env} else ["--cpu-share", f"cluster-{os.getpid()}-{id(self):x}"]
-
-        def own(tp: int) -> list[str]:
-            return ["--tp-size", str(tp), *(["--cpu-threads", str(per_rank * tp)] if per_rank else []), *share]
-
-        for i, tp in enumerate(prefill_tps):
+        prefill_own, decode_own = budget_args(prefill_args, decode_args, prefill_tps, decode_tps,
+                                              {**os.environ, **self.env}, f"cluster-{os.getpid()}-{id(self):x}")
+        for i, own in enumerate(prefill_own):
             port, bport = free_port(), free_port()
             self._start_node(NodeInfo(f"prefill{i}", "prefill", f"http://127.0.0.1:{port}", bport),
-                             [*common, *own(tp), "--port", str(port), "--disaggregation-bootstrap-port", str(bport),
-                              *prefill_args])
-        for i, tp in enumerate(decode_tps):
+                             [*common, *own, "--port", str(port), "--disaggregation-bootstrap-port",
+                              str(bport), *prefill_args])
+        for i, own in enumerate(decode_own):
             port = free_port()
             self._start_node(NodeInfo(f"decode{i}", "decode", f"http://127.0.0.1:{port}"),
-                             [*common, *own(tp), "--port", str(port), *decode_args])
+                             [*common, *own, "--port", str(port), *decode_args])
         deadline = time.monotonic() + startup_timeout_s
         for node in self.nodes:
             self._wait(node.name, lambda n=node: _get_status(n.url + "/health")[0] == 200, deadline)

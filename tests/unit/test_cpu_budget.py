@@ -7,6 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from common.cpu_budget import (
+    GPU_NODE_THREADS,
     CpuBudgetError,
     CpuConfig,
     allowed_cpus,
@@ -15,6 +16,7 @@ from common.cpu_budget import (
     parse_cpu_list,
     split_threads,
 )
+from common.tools.local_cluster import budget_args
 
 
 def test_cpu_lists_parse_and_format() -> None:
@@ -49,10 +51,43 @@ def test_resolution_flags_over_env_over_the_cores_available(monkeypatch: pytest.
         cpu_config(-1, None)
 
 
+def test_a_gpu_node_defaults_to_one_thread_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDC_CPU_THREADS", raising=False)
+    monkeypatch.delenv("PDC_CPU_BIND", raising=False)
+    for device in ("cuda", "cuda:1"):
+        assert cpu_config(None, None, device=device).threads == GPU_NODE_THREADS == 1
+        assert cpu_config(0, None, device=device).threads == 1  # 0 is "auto", as on the CPU
+        assert cpu_config(3, None, device=device).threads == 3  # the flag wins
+    assert cpu_config(None, None, device="cpu").threads == len(allowed_cpus())
+    monkeypatch.setenv("PDC_CPU_THREADS", "2")
+    assert cpu_config(None, None, device="cuda").threads == 2  # so does the variable
+
+
 def test_a_host_s_cores_are_divided_among_its_nodes() -> None:
     assert split_threads(2, cores=8) == 4
     assert split_threads(4, cores=2) == 1  # never zero
     assert split_threads(3, cores=8) == 2
+
+
+def test_a_local_cluster_gives_shares_to_its_cpu_nodes_only() -> None:
+    cores = len(allowed_cpus())
+    # Both on the CPU: every rank a share, one share group.
+    pre, dec = budget_args([], [], [1], [1, 2], {}, "g")
+    each = split_threads(4)
+    assert pre == [["--tp-size", "1", "--cpu-threads", str(each), "--cpu-share", "g"]]
+    assert dec == [["--tp-size", "1", "--cpu-threads", str(each), "--cpu-share", "g"],
+                   ["--tp-size", "2", "--cpu-threads", str(2 * each), "--cpu-share", "g"]]
+    # The decode on a GPU (flag or variable): it takes no share and the prefill has the cores.
+    for dargs, env in ((["--device", "cuda"], {}), (["--device=cuda:0"], {}), ([], {"PDC_DEVICE": "cuda"})):
+        pre, dec = budget_args([], dargs, [1], [1], env, "g")
+        assert dec == [["--tp-size", "1"]], (dargs, env)
+        if "PDC_DEVICE" in env:  # the variable puts both on the GPU
+            assert pre == [["--tp-size", "1"]]
+        else:
+            assert pre == [["--tp-size", "1", "--cpu-threads", str(cores)]]
+    # The caller chose: no share given to anyone.
+    assert budget_args(["--cpu-threads", "1"], [], [1], [1], {}, "g") == ([["--tp-size", "1"]], [["--tp-size", "1"]])
+    assert budget_args([], [], [1], [1], {"PDC_CPU_THREADS": "1"}, "g") == ([["--tp-size", "1"]], [["--tp-size", "1"]])
 
 
 def _child(cfg: CpuConfig, out: mp.Queue) -> None:  # type: ignore[type-arg]
