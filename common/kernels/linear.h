@@ -48,8 +48,18 @@ constexpr int MC = MC_ROWS;  // rows per pass over the weights: their inputs sta
 // row the same (14.8-15.1); prefill unchanged. Into L2, distances of 64-192 k were alike at 8
 // rows; 256 and 384 cost one row 20-60 %. prefetchnta was as slow as L1 (docs/BENCHMARKS.md,
 // "Prefetch into L2, one arena for the weights"). Not yet measured on Zen 5.
+// Only tiles of more than PREFETCH_MIN_ROWS - 1 rows prefetch: with few rows a k step is a few
+// cycles, the loads run far ahead of the FMAs and the hardware's stream prefetcher keeps up, and
+// our prefetches only took load-queue and miss-buffer slots. 30 layers of SmolLM2's projections,
+// one thread, Zen 4, six alternated pairs at one row: 17.2-17.9 ms with the prefetch, 15.1-15.5
+// without (28 GB/s, the read limit of 2-MiB pages); 2 rows 20.6-21.6 -> 15.3, 3 rows 20.8-21.6 ->
+// 15.9-16.6, 4 rows 18.3-19.2 -> 16.5-17.2, 5 rows 20.3-22.3 -> 17.6-17.8, 6 rows 18.6-18.7 ->
+// 17.8-17.9; at 7 rows the prefetch won (17.4-17.8 against 18.7-18.9), at 8 clearly (17.7-19.2
+// against 19.8-20.5) (docs/BENCHMARKS.md, "Few rows stream without our prefetch"). Zen 5 and
+// AVX2 machines take the same rule unmeasured.
 constexpr int PREFETCH_K = 64;
 constexpr int PREFETCH_LOCALITY = 2;
+constexpr int PREFETCH_MIN_ROWS = 7;
 
 // Rows [0, R) of x times one weight block, into columns [0, cols) of y (cols < NB: the last block).
 template <int R>
@@ -59,8 +69,10 @@ inline void tile(const float* x, int64_t ldx, const float* wb, int64_t K, const 
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vf{};
     for (int64_t k = 0; k < K; k++) {
         const float* w = wb + k * NB;
-        __builtin_prefetch(w + PREFETCH_K * NB, 0, PREFETCH_LOCALITY);
-        __builtin_prefetch(w + PREFETCH_K * NB + VW, 0, PREFETCH_LOCALITY);
+        if constexpr (R >= PREFETCH_MIN_ROWS) {
+            __builtin_prefetch(w + PREFETCH_K * NB, 0, PREFETCH_LOCALITY);
+            __builtin_prefetch(w + PREFETCH_K * NB + VW, 0, PREFETCH_LOCALITY);
+        }
         vf w0 = load(w), w1 = load(w + VW);
         for (int r = 0; r < R; r++) {
             vf xr = splat(x[r * ldx + k]);
