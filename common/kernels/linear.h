@@ -53,8 +53,8 @@ constexpr int MC = MC_ROWS;  // rows per pass over the weights: their inputs sta
 // our prefetches only took load-queue and miss-buffer slots. 30 layers of SmolLM2's projections,
 // one thread, Zen 4, six alternated pairs at one row: 17.2-17.9 ms with the prefetch, 15.1-15.5
 // without (28 GB/s, the read limit of 2-MiB pages); 2 rows 20.6-21.6 -> 15.3, 3 rows 20.8-21.6 ->
-// 15.9-16.6, 4 rows 18.3-19.2 -> 16.5-17.2, 5 rows 20.3-22.3 -> 17.6-17.8, 6 rows 18.6-18.7 ->
-// 17.8-17.9; at 7 rows the prefetch won (17.4-17.8 against 18.7-18.9), at 8 clearly (17.7-19.2
+// 15.9-16.6, 4 rows 18.3-19.2 -> 16.5-17.2, 5 rows 20.3-22.3 -> 17.6-17.8, 6 rows 17.8-19.5 ->
+// 17.2-18.8; at 7 rows the prefetch won (17.2-19.9 against 18.7-19.3), at 8 clearly (17.7-19.2
 // against 19.8-20.5) (docs/BENCHMARKS.md, "Few rows stream without our prefetch"). Zen 5 and
 // AVX2 machines take the same rule unmeasured.
 constexpr int PREFETCH_K = 64;
