@@ -279,6 +279,12 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def node_device(flag: str, env_device: str | None = None) -> str:
+    """The device a node runs on: its --device, or PDC_DEVICE (``env_device`` when given: a child's
+    environment) where the flag is "auto", resolved."""
+    return resolve_device((envs.DEVICE.get() if env_device is None else env_device) if flag == "auto" else flag)
+
+
 def _cpu_only_torch() -> bool:
     """True for PyTorch's CPU-only wheels (local version ``+cpu``, what requirements/cpu.lock
     installs), where ``torch.cuda.is_available()`` is always False."""
@@ -299,7 +305,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def resolve(cfg: NodeConfig) -> NodeConfig:
     """Validate and fill every "auto" value that does not need the model loaded."""
     cfg.validate()
-    device = resolve_device(envs.DEVICE.get() if cfg.model.device == "auto" else cfg.model.device)
+    device = node_device(cfg.model.device)
     model = replace(cfg.model, device=device, dtype=resolve_dtype(cfg.model.dtype, device))
     attn = cfg.attention
     if attn.backend == "auto":

@@ -120,13 +120,10 @@ def cpu_config(threads: int | None, bind: str | None, share: str | None = None, 
             check_group(share)
         except CoreShareError as exc:
             raise CpuBudgetError(str(exc)) from exc
-    if not threads and is_gpu_device(device):
+    if not threads and device.startswith("cuda"):
         threads = GPU_NODE_THREADS
     return CpuConfig(threads, parse_cpu_list(bind) if bind else (), share).resolved()
 
-
-def is_gpu_device(device: str) -> bool:
-    return device == "cuda" or device.startswith("cuda:")
 
 
 def apply_scheduler_budget(cfg: CpuConfig) -> None:

@@ -52,8 +52,8 @@ from common.config import (
     SchedulerConfig,
     ServerConfig,
     TransferConfig,
+    node_device,
     resolve,
-    resolve_device,
 )
 from common.cpu_budget import CpuBudgetError, CpuConfig, cpu_config
 from common.http_limits import BYTES_PER_TOKEN, MIN_NODE_BODY_BYTES
@@ -214,7 +214,7 @@ def cpu_slice(ns: argparse.Namespace) -> CpuConfig:
     """The scheduler's CPU budget from --cpu-threads / --cpu-bind (or their env vars), resolved."""
     try:
         return cpu_config(ns.cpu_threads, ns.cpu_bind, ns.cpu_share,
-                          device=resolve_device(envs.DEVICE.get() if ns.device == "auto" else ns.device))
+                          device=node_device(ns.device))
     except CpuBudgetError as exc:
         raise ConfigError(str(exc)) from exc
 

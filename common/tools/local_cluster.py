@@ -36,8 +36,8 @@ from typing import IO
 
 from common import envs
 from common.auth import bearer, signed_headers
-from common.config import resolve_device
-from common.cpu_budget import is_gpu_device, split_threads
+from common.config import node_device
+from common.cpu_budget import split_threads
 from common.ports import free_port
 
 STOP_GRACE_S = 15.0
@@ -56,15 +56,14 @@ def _per_node(tp: int | Sequence[int], count: int, what: str) -> list[int]:
 
 
 def _on_gpu(args: Sequence[str], env: dict[str, str]) -> bool:
-    """Whether a node started with ``args`` runs on a GPU: its --device, else PDC_DEVICE, resolved
-    as the node resolves it ("auto": a GPU where torch sees one)."""
-    device = env.get("PDC_DEVICE", "auto")
+    """Whether a node started with ``args`` and ``env`` runs on a GPU, as the node decides it."""
+    device = "auto"
     for i, a in enumerate(args):
         if a == "--device" and i + 1 < len(args):
             device = args[i + 1]
         elif a.startswith("--device="):
             device = a.partition("=")[2]
-    return is_gpu_device(resolve_device(device))
+    return node_device(device, env.get("PDC_DEVICE", "auto")).startswith("cuda")
 
 
 def budget_args(prefill_args: Sequence[str], decode_args: Sequence[str], prefill_tps: list[int], decode_tps: list[int],

@@ -85,6 +85,9 @@ def test_a_local_cluster_gives_shares_to_its_cpu_nodes_only() -> None:
             assert pre == [["--tp-size", "1"]]
         else:
             assert pre == [["--tp-size", "1", "--cpu-threads", str(cores)]]
+    # An explicit "--device auto" defers to PDC_DEVICE, as the node's own resolution does.
+    assert budget_args(["--device", "auto"], [], [1], [1], {"PDC_DEVICE": "cuda"}, "g") == (
+        [["--tp-size", "1"]], [["--tp-size", "1"]])
     # The caller chose: no share given to anyone.
     assert budget_args(["--cpu-threads", "1"], [], [1], [1], {}, "g") == ([["--tp-size", "1"]], [["--tp-size", "1"]])
     assert budget_args([], [], [1], [1], {"PDC_CPU_THREADS": "1"}, "g") == ([["--tp-size", "1"]], [["--tp-size", "1"]])
